@@ -1,0 +1,188 @@
+"""Kernel plug-ins: files in `kernels/` (or any .py path) that override ops of the device layers.
+
+A plug-in is a Python file with a module-level `OPS = {"op_name": callable, ...}` (any subset of
+`ops.OP_NAMES`) and optional metadata:
+
+    NAME, DESCRIPTION          what it is
+    SUPPORTS_STATES_OUT        False if its ssm_scan cannot fill `states_out` (default True)
+    BUG                        for a deliberately buggy variant: a dict with "bug", "incident",
+                               "symptom" and "expect" (the settings and first divergence it must show)
+
+The files are loaded by path, never imported as a package: a PyPI package called `kernels` exists
+and other libraries import it. Triton kernels are compiled for the GPU (`device="cuda"`) or run by
+Triton's interpreter on the CPU (`device="interpret"`); the choice is made when the file is executed,
+so each (file, device) pair gets its own module object.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import PluginError
+from .ops import OP_NAMES
+
+KERNELS_DIR = Path(os.environ.get("MAMBA_DEBUG_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels"))
+
+
+@dataclass
+class Plugin:
+    name: str
+    path: Path
+    description: str
+    ops: dict[str, Callable]
+    supports_states_out: bool = True
+    bug: dict | None = None
+    module: object = field(default=None, repr=False)
+
+
+def _plugin_files() -> dict[str, Path]:
+    if not KERNELS_DIR.is_dir():
+        return {}
+    return {p.stem: p for p in sorted(KERNELS_DIR.glob("*.py")) if not p.name.startswith("_")}
+
+
+def list_kernels() -> dict[str, str]:
+    """Names of the plug-ins in kernels/ with their one-line descriptions (without executing kernels)."""
+    out = {}
+    for name, path in _plugin_files().items():
+        out[name] = _read_description(path)
+    return out
+
+
+def _read_description(path: Path) -> str:
+    # Parse the DESCRIPTION literal without running the file: listing must be cheap and side-effect free.
+    text = path.read_text()
+    m = re.search(r'^DESCRIPTION\s*=\s*\(?\s*((?:"[^"\n]*"\s*)+)\)?', text, re.M)
+    if not m:
+        return ""
+    return "".join(re.findall(r'"([^"\n]*)"', m.group(1)))
+
+
+def resolve_kernels(name_or_path: str) -> Path:
+    files = _plugin_files()
+    if name_or_path in files:
+        return files[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix == ".py" and path.is_file():
+        return path.resolve()
+    known = ", ".join(files) or "(none found in %s)" % KERNELS_DIR
+    raise PluginError(f"kernels {name_or_path!r}: no such plug-in name or .py file. "
+                      f"Known plug-ins: {known}; or pass the path of a .py file that defines OPS.")
+
+
+_CACHE: dict[tuple[Path, str], Plugin] = {}
+_LOADING_DEVICE: list[str] = []   # stack of devices of the plug-ins being executed right now
+
+
+def sibling(name: str) -> Plugin:
+    """For use inside a plug-in file: load another plug-in (e.g. the correct `triton` kernels that a buggy
+    variant modifies) for the same device as the file being loaded."""
+    return load_plugin(name, _LOADING_DEVICE[-1] if _LOADING_DEVICE else "interpret")
+
+
+def load_plugin(name_or_path: str, device: str = "interpret") -> Plugin:
+    """Execute a plug-in file for a device ('cuda' compiles Triton, 'interpret'/'cpu' interprets it)."""
+    path = resolve_kernels(name_or_path)
+    key = (path, device)
+    if key not in _CACHE:
+        _CACHE[key] = _exec_plugin(path, device)
+    return _CACHE[key]
+
+
+def load_kernels(name_or_path: str, device: str = "interpret") -> dict[str, Callable]:
+    """The plug-in's ops as a mapping op name -> callable (validated wrappers)."""
+    return dict(load_plugin(name_or_path, device).ops)
+
+
+def _exec_plugin(path: Path, device: str) -> Plugin:
+    interpret = device != "cuda"
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    mod_name = f"mamba_debug_plugin_{path.stem}_{device}"
+    _LOADING_DEVICE.append(device)
+    try:
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module   # dataclasses and triton need the module to be findable
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(mod_name, None)
+        raise PluginError(f"plug-in {path}: failed to load ({type(exc).__name__}: {exc})") from exc
+    finally:
+        _LOADING_DEVICE.pop()
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    ops = getattr(module, "OPS", None)
+    if not isinstance(ops, dict) or not ops:
+        raise PluginError(f"plug-in {path}: defines no OPS dict. Add OPS = {{'ssm_scan': my_scan, ...}} "
+                          f"with any of {list(OP_NAMES)}.")
+    unknown = [k for k in ops if k not in OP_NAMES]
+    if unknown:
+        raise PluginError(f"plug-in {path}: unknown op name(s) {unknown}; the op table has {list(OP_NAMES)}.")
+    not_callable = [k for k, v in ops.items() if not callable(v)]
+    if not_callable:
+        raise PluginError(f"plug-in {path}: OPS entries {not_callable} are not callable.")
+    name = getattr(module, "NAME", path.stem)
+    return Plugin(
+        name=name, path=path, description=getattr(module, "DESCRIPTION", ""),
+        ops={k: checked_op(name, k, fn) for k, fn in ops.items()},
+        supports_states_out=bool(getattr(module, "SUPPORTS_STATES_OUT", True)),
+        bug=getattr(module, "BUG", None), module=module)
+
+
+def _shape(t) -> str:
+    return "x".join(map(str, t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _expected(op: str, args: tuple) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+    """Expected (shape, dtype, device) of each output of an op, from its inputs."""
+    if op in ("rms_norm", "silu"):
+        x = args[0]
+        return [(x.shape, x.dtype, x.device)]
+    if op == "linear":
+        x, w = args[0], args[1]
+        return [(x.shape[:-1] + (w.shape[0],), x.dtype, x.device)]
+    if op == "ssm_conv":
+        state, x = args[0], args[1]
+        return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
+    if op == "ssm_scan":
+        state, x = args[0], args[1]
+        return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
+    raise KeyError(op)
+
+
+def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
+    """Wrap an op so a crash or a wrong output shape/dtype/device names the plug-in, the op and the shapes."""
+    def wrapper(*args, **kwargs):
+        shapes = ", ".join(_shape(a) for a in args)
+        try:
+            result = fn(*args, **kwargs)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plug-in {plugin}: op {op}({shapes}) raised {type(exc).__name__}: {exc}") from exc
+        outs = list(result) if isinstance(result, (tuple, list)) else [result]
+        expected = _expected(op, args)
+        if len(outs) != len(expected):
+            raise PluginError(f"plug-in {plugin}: op {op}({shapes}) returned {len(outs)} value(s), "
+                              f"expected {len(expected)}")
+        for i, (out, (shape, dtype, device)) in enumerate(zip(outs, expected)):
+            if not isinstance(out, torch.Tensor):
+                raise PluginError(f"plug-in {plugin}: op {op}({shapes}) output {i} is {type(out).__name__}, not a tensor")
+            if out.shape != shape or out.dtype != dtype or out.device != device:
+                raise PluginError(
+                    f"plug-in {plugin}: op {op}({shapes}) output {i} is {_shape(out)} {out.dtype} on {out.device}, "
+                    f"expected {'x'.join(map(str, shape))} {dtype} on {device}")
+        return result
+    wrapper.__name__ = f"{plugin}.{op}"
+    wrapper.__wrapped__ = fn
+    return wrapper
