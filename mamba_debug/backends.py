@@ -1,0 +1,83 @@
+"""Back-ends: an op table plus the dtype and torch device its tensors live in.
+
+- `reference`: float64 torch ops on the CPU with the sequential scan: the ground truth.
+- `cpu`: float32 torch ops on the CPU: what a CPU port (llama.cpp's CPU back-end) computes.
+- `device`: float32 on the device, torch ops overridden by a kernel plug-in (default `triton`).
+  device="cuda" compiles Triton for the GPU; device="interpret" runs the same Triton kernels under
+  Triton's interpreter on CPU tensors; device="cpu" runs them on CPU tensors too (no GPU involved),
+  which with kernels="torch" is a pure float32 torch control. There is no silent fallback:
+  asking for cuda without a GPU is an error, and `Backend.label` says what really ran.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import MambaDebugError
+from .ops import OpTable, TORCH_OPS
+from .plugins import load_plugin
+
+DEVICES = ("cuda", "interpret", "cpu")
+
+
+@dataclass
+class Backend:
+    name: str
+    ops: OpTable
+    dtype: torch.dtype
+    device: torch.device
+    label: str
+
+    @property
+    def key(self) -> tuple:
+        return (str(self.device), self.dtype)
+
+
+def reference_backend() -> Backend:
+    return Backend("reference", OpTable("reference", TORCH_OPS), torch.float64, torch.device("cpu"),
+                   "reference: float64 torch ops on the CPU, sequential scan")
+
+
+def cpu_backend() -> Backend:
+    return Backend("cpu", OpTable("cpu", TORCH_OPS), torch.float32, torch.device("cpu"),
+                   "cpu: float32 torch ops on the CPU")
+
+
+def host_backend(precision: str = "float32") -> Backend:
+    if precision in ("float64", "fp64", "reference"):
+        return reference_backend()
+    if precision in ("float32", "fp32", "cpu"):
+        return cpu_backend()
+    raise MambaDebugError(f"unknown reference precision {precision!r}: use float32 or float64")
+
+
+def resolve_device(device: str | None) -> str:
+    """'auto'/None picks cuda when a GPU exists, else the Triton interpreter."""
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "interpret"
+    if device not in DEVICES:
+        raise MambaDebugError(f"unknown device {device!r}: choose one of {DEVICES}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MambaDebugError("device 'cuda' was asked for but torch sees no GPU; use --device interpret to run "
+                              "the same Triton kernels under Triton's interpreter on the CPU")
+    return device
+
+
+def device_backend(kernels: str | None = "triton", device: str | None = None) -> Backend:
+    device = resolve_device(device)
+    torch_device = torch.device("cuda" if device == "cuda" else "cpu")
+    ops = dict(TORCH_OPS)
+    supports_states_out = True
+    if kernels in (None, "torch"):
+        name, overridden = "torch", []
+    else:
+        plugin = load_plugin(kernels, device)
+        ops.update(plugin.ops)
+        supports_states_out = plugin.supports_states_out
+        name, overridden = plugin.name, sorted(plugin.ops)
+    where = {"cuda": f"compiled for {torch.cuda.get_device_name() if device == 'cuda' else ''}",
+             "interpret": "under Triton's interpreter on the CPU", "cpu": "on the CPU"}[device]
+    what = f"kernels '{name}' ({', '.join(overridden)}; other ops torch)" if overridden else "torch ops"
+    return Backend(f"device:{name}", OpTable(name, ops, supports_states_out), torch.float32, torch_device,
+                   f"device {device}: float32 {what} {where}".replace("  ", " "))

@@ -1,0 +1,53 @@
+"""Shared test helpers: small random Mamba models built in memory or saved as HF folders."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run under the interpreter on this CPU-only machine (DESIGN.md "Devices").
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from mamba_debug.config import MambaConfig  # noqa: E402
+from mamba_debug.model import MambaModel  # noqa: E402
+from mamba_debug.weights import expected_shapes  # noqa: E402
+
+
+def random_params(cfg: MambaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Weights of realistic scale: A = -exp(A_log) with A_log ~ log(1..N), dt bias around softplus^-1(0.01..0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in expected_shapes(cfg).items():
+        leaf = name.split(".")[-1]
+        if leaf in ("norm", "norm_f"):
+            t = 1 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+        elif leaf == "A":
+            a_log = torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float64)).expand(shape)
+            t = -torch.exp(a_log + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64))
+        elif leaf == "D":
+            t = 1 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+        elif leaf == "dt_bias":
+            dt = torch.exp(torch.rand(shape, generator=g, dtype=torch.float64) * (2.3 * 2) - 4.6)  # 0.01..0.1
+            t = dt + torch.log(-torch.expm1(-dt))
+        elif leaf == "conv_w":
+            t = torch.randn(shape, generator=g, dtype=torch.float64) / cfg.d_conv ** 0.5
+        else:
+            fan_in = shape[-1] if len(shape) == 2 else 1
+            t = torch.randn(shape, generator=g, dtype=torch.float64) / fan_in ** 0.5
+        params[name] = t
+    if cfg.tie_embeddings:
+        params["lm_head"] = params["embed"]
+    return params
+
+
+def random_model(seed: int = 0, **kw) -> MambaModel:
+    base = dict(d_model=32, n_layer=4, vocab_size=61, d_state=8, d_conv=4)
+    base.update(kw)
+    cfg = MambaConfig(**base)
+    return MambaModel(cfg, random_params(cfg, seed), source=f"random(seed={seed})")
+
+
+@pytest.fixture
+def small_model():
+    return random_model()
