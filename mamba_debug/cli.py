@@ -78,11 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list-kernels", help="the kernel plug-ins in kernels/ with their descriptions")
     p.set_defaults(func=cmd_list_kernels)
 
-    try:
-        from .engine_cli import add_engine_commands   # noqa: PLC0415
-        add_engine_commands(sub)
-    except ImportError:
-        pass
+    from .engine_cli import add_engine_commands   # noqa: PLC0415
+    add_engine_commands(sub)
     return parser
 
 

@@ -119,6 +119,7 @@ class Runner:
         self.n_seqs = 0
         self.pos = 0              # tokens already processed per sequence
         self.ubatch_index = -1    # index of the ubatch being (or last) processed
+        self.current_layer = None # block being run (None: embedding or head)
 
     @staticmethod
     def _layer_weights(w: dict, i: int) -> dict:
@@ -148,16 +149,30 @@ class Runner:
         chunks = [self.forward(tokens[:, i:i + ubatch]) for i in range(0, tokens.shape[1], ubatch)]
         return torch.cat(chunks, dim=1)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One ubatch [S, T] continuing from the current states; returns logits [S, T, V] (head's dtype)."""
+    def forward(self, tokens: torch.Tensor, start_layer: int = 0, h_start: Optional[torch.Tensor] = None,
+                feed: Optional[Callable] = None) -> torch.Tensor:
+        """One ubatch [S, T] continuing from the current states; returns logits [S, T, V] (head's dtype).
+
+        start_layer/h_start: skip the blocks below start_layer and start from their known output h_start
+        (the engine shares host blocks between the two sides instead of computing them twice).
+        feed(i, h, conv_state, ssm_state) -> (h, conv_state, ssm_state) may replace a block's input and
+        states just before it runs (local-error mode: every device block gets the reference's inputs).
+        """
         if tokens.shape[0] != self.n_seqs:
             raise MambaDebugError(f"ubatch has {tokens.shape[0]} sequences but the runner holds {self.n_seqs}")
         self.ubatch_index += 1
-        h = self.model.weights(self.host)["embed"][tokens.to(self.host.device)]      # get_rows on the host
-        for i in range(self.cfg.n_layer):
+        if start_layer == 0:
+            h = self.model.weights(self.host)["embed"][tokens.to(self.host.device)]  # get_rows on the host
+        else:
+            h = h_start
+        for i in range(start_layer, self.cfg.n_layer):
+            self.current_layer = i
             b = self.layer_backends[i]
             h = h.to(device=b.device, dtype=b.dtype)                                   # boundary crossing
+            if feed is not None:
+                h, self.conv_states[i], self.ssm_states[i] = feed(i, h, self.conv_states[i], self.ssm_states[i])
             h = self._layer(i, b, h)
+        self.current_layer = None
         b = self.head_backend
         h = h.to(device=b.device, dtype=b.dtype)
         w = self.model.weights(b)

@@ -1,0 +1,450 @@
+"""Side-by-side traced runs: the reference side and the placed device side see the same tokens.
+
+The prompt, then the reference's greedy continuation for n_gen tokens (teacher forcing, so the states
+stay comparable after a token flips), in llama.cpp's ubatches. Three runners go in lock-step, one
+ubatch at a time: `ref32` (float32 CPU), `ref64` (float64 CPU) and `dev` (host blocks below the
+boundary, device blocks from it on). The reference side is ref32 (default) or ref64. The float32-vs-
+float64 spread of the reference on the same input is the *noise floor* of every site: a site diverges
+when its error exceeds K_FLOOR times its floor (see `thresholds`).
+
+Blocks below the boundary run the same float32 CPU back-end on both sides, so the device side does not
+recompute them: it starts at the boundary from ref32's hidden state (they would be bit-identical).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from .backends import Backend, cpu_backend, device_backend, reference_backend, resolve_device
+from .errors import MambaDebugError
+from .metrics import logit_stats, perplexity, site_errors
+from .model import LAYER_SITES, MODEL_SITES, STATE_SITES, MambaModel, Runner, check_tokens
+from .placement import Placement
+
+# A site diverges when rel_l2(dev, ref) > K_FLOOR * max(floor, MIN_FLOOR), floor = rel_l2(ref32, ref64) at that
+# site (max over tokens and sequences). Two float32 implementations that differ only in the order of operations
+# differ by about the floor each (both round to float32), so honest kernels sit near 1-2x the floor; K_FLOOR = 10
+# leaves room for that without letting real bugs through (they show 1e-3..1e2 relative, 100x-1e8x the floor).
+# MIN_FLOOR (~8 float32 ulps) keeps a site whose float32 and float64 results happen to agree exactly from getting
+# a zero threshold.
+K_FLOOR = 10.0
+MIN_FLOOR = 1e-6
+CAPTURE_POLICIES = ("all", "sites", "metrics")
+
+
+@dataclass
+class CompareSettings:
+    offload: Optional[int] = None        # None: every block and the head (like -ngl 99)
+    ubatch: int = 512
+    n_seqs: int = 1
+    n_gen: int = 16
+    kernels: str = "triton"
+    device: Optional[str] = None         # None/auto: cuda if a GPU exists, else the Triton interpreter
+    reference: str = "float32"           # the reference side: float32 or float64 (CPU)
+    rule: str = "llama2024"
+    capture: str = "all"                 # all | sites (capture_layers/capture_sites) | metrics (no tensors kept)
+    capture_layers: Optional[list] = None
+    capture_sites: Optional[list] = None
+    memory_budget_mb: float = 2048.0
+    k_floor: float = K_FLOOR
+    local: bool = False                  # also run each device block on the reference's inputs and states
+    repeat: int = 1                      # >= 2: run the device side again and report run-to-run differences
+    free_run: bool = True                # also let the device side generate on its own (text view)
+
+    def validate(self, n_layer: int):
+        if not isinstance(self.ubatch, int) or self.ubatch < 1:
+            raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {self.ubatch!r}")
+        if not isinstance(self.n_seqs, int) or self.n_seqs < 1:
+            raise MambaDebugError(f"n_seqs must be an integer >= 1, got {self.n_seqs!r}")
+        if not isinstance(self.n_gen, int) or self.n_gen < 0:
+            raise MambaDebugError(f"n_gen must be an integer >= 0, got {self.n_gen!r}")
+        if self.capture not in CAPTURE_POLICIES:
+            raise MambaDebugError(f"capture policy {self.capture!r} unknown: choose one of {CAPTURE_POLICIES}")
+        from .model import SITES  # noqa: PLC0415
+        for s in self.capture_sites or []:
+            if s not in SITES:
+                raise MambaDebugError(f"unknown site name {s!r}; the sites are {', '.join(SITES)}")
+        for layer in self.capture_layers or []:
+            if not 0 <= int(layer) < n_layer:
+                raise MambaDebugError(f"capture layer {layer} out of range 0..{n_layer - 1}")
+        if self.repeat < 1:
+            raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
+        if self.k_floor <= 1:
+            raise MambaDebugError(f"k_floor must be > 1 (a multiple of the rounding floor), got {self.k_floor}")
+
+
+def sequence_prompts(ids: list[int], n_seqs: int, vocab_size: int) -> torch.Tensor:
+    """S different prompts of equal length from one: identical sequences would hide state-slot bugs."""
+    base = torch.tensor(ids, dtype=torch.long)
+    rows = [base]
+    for s in range(1, n_seqs):
+        rolled = torch.roll(base, -s)
+        rows.append(rolled if not torch.equal(rolled, base) else (base + 7 * s) % vocab_size)
+    return torch.stack(rows)
+
+
+class _Capture:
+    """The hook of one runner: keeps this ubatch's site values (on the CPU), keyed (layer, site)."""
+
+    def __init__(self):
+        self.values: dict[tuple, tuple[torch.Tensor, bool]] = {}
+
+    def __call__(self, layer, site, value, per_token):
+        self.values[(layer, site)] = (value.detach().to("cpu", copy=True), per_token)
+
+    def take(self):
+        values, self.values = self.values, {}
+        return values
+
+
+@dataclass
+class TokenInfo:
+    token: int           # position in the sequence (prompt then generated)
+    ubatch: int
+    index_in_ubatch: int
+    ubatch_len: int
+    phase: str           # prompt | gen
+
+    @property
+    def position(self) -> str:
+        if self.token == 0:
+            return "first token of the prompt"
+        if self.index_in_ubatch == 0:
+            return "first of its ubatch (just after a boundary)"
+        return "inside its ubatch"
+
+
+@dataclass
+class CompareResult:
+    settings: CompareSettings
+    model_info: dict
+    placement: Placement
+    device_label: str
+    tokens: torch.Tensor                          # [S, P + G] fed to both sides
+    n_prompt: int
+    token_info: list
+    errors: dict = field(default_factory=dict)    # (layer, site) -> {metric: [S, n_tok]}
+    floor: dict = field(default_factory=dict)     # (layer, site) -> [S, n_tok] rel_l2(ref32, ref64)
+    thresholds: dict = field(default_factory=dict)
+    logits: dict = field(default_factory=dict)    # kld, top1, rms_dp: [S, n_tok]
+    trace: dict = field(default_factory=dict)     # (side, layer, site) -> [S, n_tok(or n_ub), ...]
+    trace_tokens: dict = field(default_factory=dict)  # (layer, site) -> token index of each captured row
+    local: dict = field(default_factory=dict)     # layer -> [S, n_tok] rel_l2 of resid with reference inputs
+    nondeterminism: Optional[dict] = None
+    generations: dict = field(default_factory=dict)
+    perplexity: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    first_divergence: Optional[dict] = None
+
+    @property
+    def n_layer(self) -> int:
+        return self.placement.n_layer
+
+    def site_order(self):
+        """(layer, site) keys in DESIGN.md graph order: layers ascending, then the model-level sites."""
+        keys = [(i, s) for i in range(self.n_layer) for s in LAYER_SITES]
+        return [k for k in keys + [(None, s) for s in MODEL_SITES] if k in self.errors]
+
+    def exceed(self, key) -> torch.Tensor:
+        """[S, n_tok] bool: where the site's error is beyond its threshold (NaN = not captured = False)."""
+        return self.errors[key]["rel_l2"] > self.thresholds[key]
+
+
+def thresholds_from_floor(floor: dict, k: float) -> dict:
+    out = {}
+    for key, f in floor.items():
+        finite = f[torch.isfinite(f)]
+        level = float(finite.max()) if finite.numel() else 0.0
+        out[key] = k * max(level, MIN_FLOOR)
+    return out
+
+
+def find_first_divergence(res: CompareResult) -> Optional[dict]:
+    """Earliest token; at that token the lowest layer (model-level sites last); then graph order."""
+    order = res.site_order()
+    exceed = {key: res.exceed(key) for key in order}
+    n_tok = res.tokens.shape[1]
+    for t in range(n_tok):
+        for key in order:
+            col = exceed[key][:, t]
+            if col.any():
+                errs = res.errors[key]["rel_l2"][:, t]
+                seq = int(torch.nonzero(col)[0])
+                info = res.token_info[t]
+                err = float(errs[seq])
+                layer, site = key
+                return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": info.ubatch,
+                        "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
+                        "error": err if math.isfinite(err) else "inf",
+                        "threshold": res.thresholds[key], "nan": not math.isfinite(err),
+                        "on_device": layer is not None and res.placement.on_device(layer)
+                        or layer is None and res.placement.head_on_device}
+    return None
+
+
+def run_compare(model: MambaModel, prompt_ids, settings: Optional[CompareSettings] = None,
+                progress=None, ref_cache: Optional[dict] = None) -> CompareResult:
+    """Run both sides over the prompt plus n_gen teacher-forced tokens; see the module docstring.
+
+    ref_cache: a dict shared by runs that differ only in offload/kernels/device (a sweep): the reference
+    side does not depend on them, so it is computed once and read back from the cache.
+    """
+    s = settings or CompareSettings()
+    cfg = model.config
+    s.validate(cfg.n_layer)
+    offload = cfg.n_layer + 1 if s.offload is None else s.offload
+    placement = Placement(cfg.n_layer, offload, s.rule)
+    tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
+    _check_budget(model, s, tokens.shape[1] + s.n_gen)
+    device = resolve_device(s.device)
+    dev_backend = device_backend(s.kernels, device)
+    t0 = time.perf_counter()
+    sides = _Sides(model, placement, dev_backend, s, _cache_for(ref_cache, tokens, s))
+    res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict()}, placement=placement,
+                        device_label=dev_backend.label, tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
+    sides.run(tokens, res, progress)
+    res.timings["compare_s"] = time.perf_counter() - t0
+    res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
+    res.first_divergence = find_first_divergence(res)
+    res.settings.offload = offload
+    return res
+
+
+def _cache_for(ref_cache, tokens, s: CompareSettings):
+    """The part of a shared reference cache for this prompt, ubatch, n_gen and local mode."""
+    if ref_cache is None:
+        return None
+    key = (tuple(map(tuple, tokens.tolist())), s.ubatch, s.n_gen, s.local, s.reference)
+    return ref_cache.setdefault(key, {"steps": []})
+
+
+def _check_budget(model: MambaModel, s: CompareSettings, n_tok: int):
+    if s.capture == "metrics":
+        return
+    c = model.config
+    per_tok = c.d_model * 2 + c.d_inner * 10 + c.d_inner * c.d_state + c.dt_rank + 2 * c.d_state
+    layers = len(s.capture_layers) if s.capture_layers else c.n_layer
+    frac = len(s.capture_sites) / 15 if s.capture_sites else 1.0
+    mb = 2 * 4 * s.n_seqs * n_tok * layers * per_tok * max(frac, 0.1) / 2**20
+    if mb > s.memory_budget_mb:
+        raise MambaDebugError(
+            f"capturing every site would keep about {mb:.0f} MB of tensors, over the {s.memory_budget_mb:.0f} MB "
+            f"budget: use capture='metrics' (metrics only), or capture='sites' with fewer layers/sites, or raise "
+            f"the budget (--memory-budget-mb)")
+
+
+class _Sides:
+    """The runners of one comparison and the lock-step loop over ubatches."""
+
+    def __init__(self, model, placement: Placement, dev_backend: Backend, s: CompareSettings, cache=None):
+        self.model, self.placement, self.s = model, placement, s
+        self.cache = cache if cache is not None else {"steps": []}
+        self.cap32, self.cap64, self.capdev = _Capture(), _Capture(), _Capture()
+        self.ref32 = Runner(model, cpu_backend(), hook=self.cap32)
+        self.ref64 = Runner(model, reference_backend(), hook=self.cap64)
+        self.has_device = placement.n_device_layers > 0 or placement.head_on_device
+        self.dev = Runner(model, cpu_backend(), dev_backend, placement, hook=self.capdev)
+        self.start = min(placement.first_device_layer, model.config.n_layer)
+        self.dev2 = Runner(model, cpu_backend(), dev_backend, placement, hook=_Capture()) if s.repeat > 1 else None
+        self.local = Runner(model, cpu_backend(), dev_backend, placement, hook=_Capture()) if s.local else None
+
+    def _refside(self):
+        return (self.ref64, self.cap64) if self.s.reference in ("float64", "fp64") else (self.ref32, self.cap32)
+
+    def run(self, tokens, res: CompareResult, progress):
+        S, P = tokens.shape
+        for r in self._runners():
+            r.reset(S)
+        schedule = [tokens[:, i:i + self.s.ubatch] for i in range(0, P, self.s.ubatch)]
+        acc = _Accumulator(res, self.s)
+        fed, pos = [], 0
+        total = len(schedule) + self.s.n_gen
+        for u in range(total):
+            chunk = schedule[u] if u < len(schedule) else nxt[:, None]
+            T = chunk.shape[1]
+            res.token_info += [TokenInfo(pos + j, u, j, T, "prompt" if u < len(schedule) else "gen") for j in range(T)]
+            ref_logits = self._step(u, chunk, acc)
+            fed.append(chunk)
+            pos += T
+            nxt = ref_logits[:, -1].argmax(-1)
+            if u == len(schedule) - 1:
+                self._after_prefill(res, tokens)
+            if progress:
+                progress(u + 1, total)
+        res.tokens = torch.cat(fed, dim=1)
+        acc.finish()
+        self._generations(res)
+
+    def _runners(self):
+        return [r for r in (self.ref32, self.ref64, self.dev, self.dev2, self.local) if r is not None]
+
+    def _ref_step(self, u, chunk):
+        """Both reference runs of ubatch u, from the cache when a sweep already computed them."""
+        if u < len(self.cache["steps"]):
+            return self.cache["steps"][u]
+        states_before = self._ref_states() if self.local is not None else None
+        l32 = self.ref32.forward(chunk)
+        v32 = self.cap32.take()
+        l64 = self.ref64.forward(chunk)
+        v64 = self.cap64.take()
+        step = (l32, v32, l64, v64, states_before)
+        self.cache["steps"].append(step)
+        return step
+
+    def _step(self, u, chunk, acc: "_Accumulator"):
+        ref_runner, _ = self._refside()
+        l32, v32, l64, v64, states_before = self._ref_step(u, chunk)
+        vref = v64 if ref_runner is self.ref64 else v32
+        lref = l64 if ref_runner is self.ref64 else l32
+        if self.has_device:
+            h0 = v32[(self.start - 1, "resid")][0] if self.start > 0 else None
+            self.dev.forward(chunk, self.start, h0)
+            vdev = self.capdev.take()
+        else:
+            vdev = {}
+        for key, val in v32.items():      # host blocks (and head) are shared with ref32: identical by construction
+            vdev.setdefault(key, val)
+        extra = {}
+        if self.dev2 is not None and self.has_device:
+            self.dev2.forward(chunk, self.start, h0)
+            extra["repeat"] = self.dev2.hook.take()
+        if self.local is not None:
+            extra["local"] = self._local_step(chunk, vref, states_before)
+        acc.add(vdev, vref, v32, v64, extra)
+        return lref
+
+    def _ref_states(self):
+        r, _ = self._refside()
+        return [(c.clone(), s.clone()) for c, s in zip(r.conv_states, r.ssm_states)]
+
+    def _local_step(self, chunk, vref, states_before):
+        """Every device block gets the reference's input and states: its own (local) error, nothing inherited."""
+        emb = self.model.weights(self.local.host)["embed"][chunk]
+
+        def feed(i, h, conv, ssm):
+            if not self.placement.on_device(i):
+                return h, conv, ssm
+            b = self.local.layer_backends[i]
+            h_in = vref[(i - 1, "resid")][0] if i > 0 else emb
+            c, s = states_before[i]
+            cast = lambda t: t.to(device=b.device, dtype=b.dtype)  # noqa: E731
+            return cast(h_in), cast(c), cast(s)
+
+        self.local.forward(chunk, feed=feed)
+        return self.local.hook.take()
+
+    def _after_prefill(self, res, tokens):
+        res.snapshot = [(c.clone(), s.clone()) for c, s in zip(self.dev.conv_states, self.dev.ssm_states)]
+        if "snapshot_host" not in self.cache:
+            self.cache["snapshot_host"] = [(c.clone(), s.clone())
+                                           for c, s in zip(self.ref32.conv_states, self.ref32.ssm_states)]
+        res.snapshot_host = self.cache["snapshot_host"]
+
+    def _generations(self, res: CompareResult):
+        """Reference text = the teacher-forced tokens; device text = the device side generating on its own."""
+        model, S, G, P = self.model, res.tokens.shape[0], self.s.n_gen, res.n_prompt
+        ref_gen = res.tokens[:, P:]
+        dev_gen = ref_gen.clone()
+        if self.s.free_run and G > 0 and self.has_device:
+            self.dev.hook = None
+            for i in range(model.config.n_layer):      # host blocks were shared: give them ref32's states
+                src = res.snapshot_host[i] if i < self.start else res.snapshot[i]
+                self.dev.conv_states[i], self.dev.ssm_states[i] = src[0].clone(), src[1].clone()
+            nxt = ref_gen[:, 0]
+            out = []
+            for _ in range(G):
+                out.append(nxt)
+                nxt = self.dev.forward(nxt[:, None])[:, -1].argmax(-1).cpu()
+            dev_gen = torch.stack(out, dim=1)
+        del res.snapshot, res.snapshot_host
+        res.generations = {
+            "prompt": [model.decode(res.tokens[s, :P].tolist()) for s in range(S)],
+            "reference": [model.decode(ref_gen[s].tolist()) for s in range(S)],
+            "device": [model.decode(dev_gen[s].tolist()) for s in range(S)],
+            "reference_ids": ref_gen.tolist(), "device_ids": dev_gen.tolist(),
+            "first_difference": [_first_diff(ref_gen[s], dev_gen[s]) for s in range(S)],
+        }
+
+
+def _first_diff(a, b):
+    idx = torch.nonzero(a != b)
+    return int(idx[0]) if idx.numel() else None
+
+
+class _Accumulator:
+    """Turns each ubatch's captured values into metrics (and kept tensors, per the capture policy)."""
+
+    def __init__(self, res: CompareResult, s: CompareSettings):
+        self.res, self.s = res, s
+        self.err, self.floor, self.logit, self.local = {}, {}, [], {}
+        self.logit_ref, self.logit_dev, self.kept = [], [], {}
+        self.repeat_max = None
+        self.tok0 = 0
+
+    def _keep(self, layer, site) -> bool:
+        if self.s.capture == "metrics":
+            return False
+        if self.s.capture == "sites":
+            if self.s.capture_layers and (layer is None or layer not in [int(x) for x in self.s.capture_layers]):
+                return site in ("logits",) and not self.s.capture_sites
+            if self.s.capture_sites and site not in self.s.capture_sites:
+                return False
+        return True
+
+    def add(self, vdev, vref, v32, v64, extra):
+        T = vref[(None, "logits")][0].shape[1]
+        for key, (ref, per_token) in vref.items():
+            dev = vdev[key][0]
+            a, b, a32, a64 = (v if per_token else v[:, None] for v in (dev, ref, v32[key][0], v64[key][0]))
+            e = site_errors(a, b)
+            f = site_errors(a32, a64)["rel_l2"]
+            if not per_token:       # a state taken at the ubatch's end belongs to its last token
+                e = {m: _at_last(v, T) for m, v in e.items()}
+                f = _at_last(f, T)
+            self.err.setdefault(key, []).append(e)
+            self.floor.setdefault(key, []).append(f)
+            if self._keep(*key):
+                for side, val in (("ref", ref), ("dev", dev)):
+                    self.kept.setdefault((side,) + key, []).append(val if per_token else val[:, None])
+                toks = list(range(self.tok0, self.tok0 + T)) if per_token else [self.tok0 + T - 1]
+                self.res.trace_tokens.setdefault(key, []).extend(toks)
+        self.logit.append(logit_stats(vdev[(None, "logits")][0], vref[(None, "logits")][0]))
+        self.logit_ref.append(vref[(None, "logits")][0])
+        self.logit_dev.append(vdev[(None, "logits")][0])
+        if "repeat" in extra:
+            self._repeat(vdev, extra["repeat"])
+        if "local" in extra:
+            for (layer, site), (val, _) in extra["local"].items():
+                if site == "resid":
+                    self.local.setdefault(layer, []).append(site_errors(val, vref[(layer, site)][0])["rel_l2"])
+        self.tok0 += T
+
+    def _repeat(self, vdev, vrep):
+        for key, (val, _) in vrep.items():
+            d = float(site_errors(val, vdev[key][0])["rel_l2"].max())
+            if d > 0 and (self.repeat_max is None or d > self.repeat_max["rel_l2"]):
+                self.repeat_max = {"rel_l2": d, "layer": key[0], "site": key[1], "ubatch_first_token": self.tok0}
+
+    def finish(self):
+        r = self.res
+        r.errors = {k: {m: torch.cat([c[m] for c in chunks], 1) for m in chunks[0]} for k, chunks in self.err.items()}
+        r.floor = {k: torch.cat(v, 1) for k, v in self.floor.items()}
+        r.logits = {m: torch.cat([c[m] for c in self.logit], 1) for m in self.logit[0]}
+        r.trace = {k: torch.cat(v, 1) for k, v in self.kept.items()}
+        r.local = {k: torch.cat(v, 1) for k, v in self.local.items()}
+        r.nondeterminism = self.repeat_max
+        P = r.n_prompt
+        lr, ld = torch.cat(self.logit_ref, 1), torch.cat(self.logit_dev, 1)
+        r.perplexity = {"reference": perplexity(lr[:, :P], r.tokens[:, :P]),
+                        "device": perplexity(ld[:, :P], r.tokens[:, :P])}
+
+
+def _at_last(v: torch.Tensor, T: int) -> torch.Tensor:
+    """[S, 1] -> [S, T] with NaN everywhere but the last token."""
+    out = torch.full((v.shape[0], T), math.nan, dtype=torch.float64)
+    out[:, -1] = v[:, 0]
+    return out

@@ -1,0 +1,184 @@
+"""export-case: the real op inputs of a divergent layer, and a self-contained pytest that replays them.
+
+This is the cure for "op tests pass on random inputs": the exported case holds exactly what the device
+ops received in the ubatch where the first divergence was born, views included (each tensor argument is
+saved as its underlying storage plus size, stride and offset, so a kernel that ignores strides fails the
+replay just as it failed in the model).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+from . import ops as ops_module
+from .backends import cpu_backend, device_backend, resolve_device
+from .compare import CompareSettings, run_compare
+from .errors import MambaDebugError
+from .model import MambaModel, Runner, check_tokens
+from .ops import OpTable
+from .placement import Placement
+
+
+class _Recorder:
+    """Wraps a back-end's ops; records the calls made by one layer in one ubatch."""
+
+    def __init__(self, runner_ref, layer, ubatch, names):
+        self.runner, self.layer, self.ubatch, self.names = runner_ref, layer, ubatch, names
+        self.calls = []
+
+    def wrap(self, name, fn):
+        def recorded(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            r = self.runner[0]
+            if name in self.names and r.current_layer == self.layer and r.ubatch_index == self.ubatch:
+                self.calls.append((name, args, kwargs))
+            return out
+        return recorded
+
+
+def _save_arg(arg, store: dict, prefix: str):
+    if isinstance(arg, torch.Tensor):
+        # keep the view geometry: the bytes of the underlying storage this view can reach
+        base_len = arg.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(arg.shape, arg.stride()) if s > 0)
+        flat = torch.as_strided(arg, (base_len,), (1,), 0).detach().cpu().clone()
+        store[prefix] = flat
+        return {"tensor": prefix, "size": list(arg.shape), "stride": list(arg.stride()),
+                "offset": arg.storage_offset(), "dtype": str(arg.dtype)}
+    if arg is None or isinstance(arg, (int, float, bool)):
+        return {"value": arg}
+    raise TypeError(f"cannot export argument of type {type(arg).__name__}")
+
+
+def export_case(model: MambaModel, prompt_ids, settings: CompareSettings, out_dir, result=None) -> dict:
+    """Find the first divergence (or use `result`), re-run the device side recording that layer's op calls
+    in that ubatch, and write inputs.safetensors + case.json + test_case.py into out_dir."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    res = result or run_compare(model, prompt_ids, settings)
+    fd = res.first_divergence
+    if fd is None:
+        raise MambaDebugError("nothing diverged in this configuration, so there is no failing case to export")
+    if fd["layer"] is None or not res.placement.on_device(fd["layer"]):
+        layer = res.placement.first_device_layer if fd["layer"] is None else fd["layer"]
+        if layer >= model.config.n_layer:
+            raise MambaDebugError("the first divergence is in the output head; export-case replays block ops only")
+    else:
+        layer = fd["layer"]
+    device = resolve_device(settings.device)
+    dev = device_backend(settings.kernels, device)
+    overridden = sorted(k for k, f in dev.ops.ops.items() if hasattr(f, "__wrapped__")) or list(dev.ops.ops)
+    holder = [None]
+    rec = _Recorder(holder, layer, fd["ubatch"], set(overridden))
+    dev.ops = OpTable(dev.ops.name, {k: rec.wrap(k, f) for k, f in dev.ops.ops.items()}, dev.ops.supports_states_out)
+    runner = Runner(model, cpu_backend(), dev, Placement(model.config.n_layer, res.placement.offload,
+                                                         res.placement.rule))
+    holder[0] = runner
+    tokens = res.tokens
+    runner.reset(tokens.shape[0])
+    pos = 0
+    for t in res.token_info:                                # replay the same ubatch schedule
+        if t.index_in_ubatch == 0:
+            runner.forward(tokens[:, pos:pos + t.ubatch_len])
+            pos += t.ubatch_len
+            if t.ubatch == fd["ubatch"]:
+                break
+    store, calls = {}, []
+    for n, (name, args, kwargs) in enumerate(rec.calls):
+        calls.append({"op": name, "args": [_save_arg(a, store, f"call{n}.arg{i}") for i, a in enumerate(args)],
+                      "kwargs": {k: _save_arg(v, store, f"call{n}.{k}") for k, v in kwargs.items()
+                                 if k != "states_out"}})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(store, str(out / "inputs.safetensors"))
+    from .plugins import resolve_kernels  # noqa: PLC0415
+    kpath = None if settings.kernels in (None, "torch") else str(resolve_kernels(settings.kernels))
+    case = {"layer": layer, "ubatch": fd["ubatch"], "first_divergence": fd, "kernels": settings.kernels,
+            "kernels_path": kpath, "device": device, "calls": calls, "nmse_limit": 1e-7}
+    (out / "case.json").write_text(json.dumps(case, indent=1, default=str))
+    (out / "test_case.py").write_text(_test_source())
+    return case
+
+
+def _test_source() -> str:
+    ref = "\n\n".join(inspect.getsource(getattr(ops_module, f))
+                      for f in ("rms_norm", "linear", "silu", "softplus", "ssm_conv", "ssm_scan"))
+    return f'''"""Replay of real op inputs exported by `mamba-debug export-case`: each recorded call of the kernel
+plug-in is run again on exactly those inputs (views rebuilt with their strides) and compared with a float64
+reference. Self-contained: needs torch, safetensors, pytest and the plug-in file named in case.json
+(override with MAMBA_DEBUG_KERNELS=path). Run: pytest test_case.py
+"""
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+HERE = Path(__file__).parent
+CASE = json.loads((HERE / "case.json").read_text())
+SOFTPLUS_THRESHOLD = 20.0
+
+# ---- float64 reference ops (copied from mamba_debug.ops) ----
+{ref}
+
+REFERENCE = {{"rms_norm": rms_norm, "linear": linear, "silu": silu, "ssm_conv": ssm_conv, "ssm_scan": ssm_scan}}
+
+
+def _plugin_ops():
+    path = os.environ.get("MAMBA_DEBUG_KERNELS", CASE["kernels_path"])
+    if path is None:
+        return {{}}
+    cuda = torch.cuda.is_available()
+    os.environ["TRITON_INTERPRET"] = "0" if cuda else "1"
+    spec = importlib.util.spec_from_file_location("replayed_plugin", path)
+    module = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules["replayed_plugin"] = module
+    spec.loader.exec_module(module)
+    return module.OPS
+
+
+STORE = load_file(str(HERE / "inputs.safetensors"))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _arg(spec, device, dtype=None):
+    if "tensor" not in spec:
+        return spec["value"]
+    base = STORE[spec["tensor"]].to(device)
+    if dtype is not None:
+        base = base.to(dtype)
+    return torch.as_strided(base, spec["size"], spec["stride"], spec["offset"])
+
+
+def _nmse(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float(((a - b) ** 2).sum() / (b ** 2).sum().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("n", range(len(CASE["calls"])))
+def test_recorded_call_matches_float64_reference(n):
+    call = CASE["calls"][n]
+    ops = _plugin_ops()
+    fn = ops.get(call["op"], REFERENCE[call["op"]])
+    args = [_arg(a, DEVICE) for a in call["args"]]
+    kwargs = {{k: _arg(v, DEVICE) for k, v in call["kwargs"].items()}}
+    got = fn(*args, **kwargs)
+    want = REFERENCE[call["op"]](*[_arg(a, "cpu", torch.float64) if "tensor" in a else a["value"]
+                                  for a in call["args"]],
+                                **{{k: _arg(v, "cpu", torch.float64) for k, v in call["kwargs"].items()}})
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for i, (g, w) in enumerate(zip(got, want)):
+        err = _nmse(g, w)
+        assert err <= CASE["nmse_limit"], (f"{{call['op']}} output {{i}} (layer {{CASE['layer']}}, ubatch "
+                                           f"{{CASE['ubatch']}}): NMSE {{err:.3g}} > {{CASE['nmse_limit']}}")
+'''

@@ -1,0 +1,81 @@
+"""Sweeps over offload x ubatch (x sequences) and bisection of the offload boundary.
+
+A sweep shares the reference side between all offload counts of one ubatch size (it does not depend on
+placement), and each device run starts at its boundary from the shared host blocks, so the whole
+0..n_layer+1 grid costs about half of what independent runs would.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from typing import Iterable, Optional
+
+from .compare import CompareSettings, run_compare
+from .model import MambaModel
+from .result import to_json
+
+
+def _cell(res) -> dict:
+    j = to_json(res)
+    fd = j["first_divergence"]
+    return {"offload": res.placement.offload, "ubatch": res.settings.ubatch, "n_seqs": res.settings.n_seqs,
+            "first_divergence": fd, "first_token": None if fd is None else fd["token"],
+            "first_layer": None if fd is None else fd["layer"], "kld_mean": j["logits"]["kld_mean"],
+            "kld_max": j["logits"]["kld_max"], "top1_agreement": j["logits"]["top1_agreement"],
+            "seconds": j["timings"].get("compare_s")}
+
+
+def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Optional[Iterable[int]] = None,
+              ubatches: Iterable[int] = (1, 2, 8, 32), n_seqs_list: Iterable[int] = (1,), progress=True) -> dict:
+    """Matrix of first divergence (token, layer) and KLD for every (n_seqs, ubatch, offload)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    L = model.config.n_layer
+    offloads = list(range(0, L + 2)) if offloads is None else list(offloads)
+    ubatches, n_seqs_list = list(ubatches), list(n_seqs_list)
+    grid = [(s, u, o) for s in n_seqs_list for u in ubatches for o in offloads]
+    cache: dict = {}
+    cells, t0 = [], time.perf_counter()
+    bar = tqdm(grid, desc="sweep", disable=not progress, unit="run")
+    for s, u, o in bar:
+        bar.set_postfix_str(f"S={s} ub={u} ngl={o}")
+        settings = replace(copy.deepcopy(base), offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)
+        cells.append(_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
+    return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
+            "cells": cells, "seconds": time.perf_counter() - t0}
+
+
+def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:
+    """Smallest offload that diverges, found in O(log n_layer) runs; its first device layer is the first bad one.
+
+    Assumes monotonicity, as llama.cpp's placement gives it: offload N+1 runs a superset of N's device layers.
+    """
+    L = model.config.n_layer
+    cache: dict = {}
+    runs = []
+
+    def diverges(n: int) -> bool:
+        settings = replace(copy.deepcopy(base), offload=n, capture="metrics", free_run=False)
+        res = run_compare(model, prompt_ids, settings, ref_cache=cache)
+        runs.append({"offload": n, "first_divergence": res.first_divergence})
+        return res.first_divergence is not None
+
+    hi = L + 1 if base.rule == "llama2024" else L + 1
+    if not diverges(hi):
+        return {"bad_layer": None, "offload": None, "runs": runs,
+                "message": f"no divergence even with everything offloaded (offload {hi})"}
+    lo = 0                        # offload 0 runs nothing on the device: clean by construction
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if diverges(mid):
+            hi = mid
+        else:
+            lo = mid
+    from .placement import Placement  # noqa: PLC0415
+    p = Placement(L, hi, base.rule)
+    bad = "head" if p.n_device_layers == 0 or (base.rule == "llama2024" and hi == L + 1) else p.first_device_layer
+    return {"bad_layer": bad, "offload": hi, "runs": runs,
+            "message": f"offload {hi - 1} is clean, offload {hi} diverges: the first bad "
+                       f"{'part is the output head' if bad == 'head' else 'layer is %d' % bad} "
+                       f"({len(runs)} runs for {L} layers)"}
