@@ -1,0 +1,193 @@
+"""The divergence engine: no false alarms on correct ops, exact localization of known bugs, data formats."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mamba_debug.compare import CompareSettings, run_compare
+from mamba_debug.errors import MambaDebugError, PluginError
+from mamba_debug.export import export_case
+from mamba_debug.result import load_trace, save_trace, to_json
+from mamba_debug.saving import save_hf
+from mamba_debug.sweep import bisect_layer, run_sweep
+
+from conftest import random_model
+
+PROMPT = [(11 * i + 5) % 61 for i in range(20)]
+
+STRIDED_SILU = '''
+import torch
+NAME = "strided_silu"
+def silu(x):
+    # the #6758 bug: read the view as if it were contiguous from its storage offset
+    flat = torch.as_strided(x, x.shape, torch.empty(x.shape).stride(), x.storage_offset())
+    return flat * torch.sigmoid(flat)
+OPS = {"silu": silu}
+'''
+
+NAN_SCAN = '''
+import torch
+from mamba_debug.ops import ssm_scan as ref
+def ssm_scan(state, x, dt, A, B, C, *, states_out=None):
+    y, h = ref(state, x, dt, A, B, C, states_out=states_out)
+    if x.shape[1] > 3:
+        y = y.clone(); y[:, 3, 5] = float("nan")
+    return y, h
+OPS = {"ssm_scan": ssm_scan}
+'''
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(n_layer=4)
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    def write(src, name="p.py"):
+        f = tmp_path / name
+        f.write_text(src)
+        return str(f)
+    return write
+
+
+def _run(model, **kw):
+    base = dict(device="cpu", kernels="torch", n_gen=4, ubatch=4)
+    base.update(kw)
+    return run_compare(model, PROMPT, CompareSettings(**base))
+
+
+@pytest.mark.parametrize("ubatch,n_seqs", [(1, 1), (4, 2), (20, 3)])
+def test_correct_ops_never_diverge(model, ubatch, n_seqs):
+    for offload in range(0, model.config.n_layer + 2):
+        res = _run(model, offload=offload, ubatch=ubatch, n_seqs=n_seqs)
+        assert res.first_divergence is None, (offload, res.first_divergence)
+        assert res.logits["top1"].min() == 1.0
+
+
+def test_float64_reference_side_has_no_false_alarm(model):
+    assert _run(model, offload=5, reference="float64").first_divergence is None
+
+
+def test_strided_gate_reproduces_the_6758_symptoms(model, plugin):
+    path = plugin(STRIDED_SILU)
+    assert _run(model, offload=2, ubatch=1, kernels=path).first_divergence is None      # -ub 1 is exact
+    fd = _run(model, offload=2, ubatch=4, kernels=path).first_divergence
+    assert (fd["token"], fd["layer"], fd["site"], fd["position"]) == (1, 2, "gate", "inside its ubatch")
+    # more offloaded layers, more drift
+    klds = [float(_run(model, offload=o, ubatch=4, kernels=path).logits["kld"].mean()) for o in (1, 2, 4)]
+    assert klds[0] < klds[1] < klds[2], klds
+    # with several sequences only the very first token of the ubatch (seq 0) is right
+    fd = _run(model, offload=2, ubatch=4, n_seqs=2, kernels=path).first_divergence
+    assert (fd["token"], fd["seq"], fd["layer"]) == (0, 1, 2)
+
+
+def test_nan_is_reported_where_it_is_born(model, plugin):
+    res = _run(model, offload=3, ubatch=8, kernels=plugin(NAN_SCAN))
+    fd = res.first_divergence
+    assert fd["nan"] and (fd["token"], fd["layer"], fd["site"]) == (3, 1, "y_scan")
+    json.dumps(to_json(res))                           # inf/nan are written as strings, the JSON stays valid
+
+
+def test_json_has_the_design_fields(model, plugin):
+    j = to_json(_run(model, offload=2, kernels=plugin(STRIDED_SILU)))
+    assert {"n_layer", "offload", "ubatch", "n_seqs", "kernels", "device"} <= set(j["config"])
+    assert {"token", "seq", "layer", "site", "ubatch", "error", "threshold"} <= set(j["first_divergence"])
+    assert {"kld_mean", "kld_max", "top1_agreement"} <= set(j["logits"])
+    assert len(j["per_layer"]) == 4 and j["per_layer"][2]["on_device"] and not j["per_layer"][1]["on_device"]
+    assert j["per_layer"][0]["first_bad"] is None and j["per_layer"][2]["first_bad"]["site"] == "gate"
+
+
+def test_local_mode_separates_own_from_inherited_error(model, plugin):
+    res = _run(model, offload=3, ubatch=4, kernels=plugin(STRIDED_SILU), local=True)
+    rows = to_json(res)["per_layer"]
+    assert rows[1]["local_resid_rel_l2"] > 1e-3            # every device layer has its own error
+    assert rows[2]["local_resid_rel_l2"] > 1e-3 and rows[2]["amplification"] is not None
+
+
+def test_repeat_flags_nondeterminism(model, plugin):
+    racy = plugin('import torch\nfrom mamba_debug.ops import silu as ref\n'
+                  'OPS = {"silu": lambda x: ref(x) * (1 + 1e-3 * torch.rand(()).item())}\n')
+    res = _run(model, offload=2, kernels=racy, repeat=2)
+    assert res.nondeterminism is not None and res.nondeterminism["rel_l2"] > 1e-5
+    assert _run(model, offload=2, repeat=2).nondeterminism is None
+
+
+def test_capture_policies_and_trace_round_trip(model, plugin, tmp_path):
+    res = _run(model, offload=2, kernels=plugin(STRIDED_SILU))
+    assert ("dev", 2, "ssm_state") in res.trace and res.trace[("dev", 2, "ssm_state")].shape[1] == 24
+    assert _run(model, offload=2, capture="metrics").trace == {}
+    part = _run(model, offload=2, capture="sites", capture_layers=[3], capture_sites=["gate"])
+    assert set(part.trace) == {("ref", 3, "gate"), ("dev", 3, "gate")}
+    path = save_trace(res, tmp_path / "run.safetensors")
+    back = load_trace(path)
+    assert back.first_divergence == res.first_divergence
+    torch.testing.assert_close(back.trace[("dev", 2, "gate")], res.trace[("dev", 2, "gate")])
+
+
+def test_trace_from_another_version_is_a_clear_error(model, tmp_path):
+    from safetensors.torch import save_file
+    save_file({"tokens": torch.zeros(1, 2)}, str(tmp_path / "old.safetensors"),
+              metadata={"format": "mamba-debug-trace", "version": "0", "result": "{}"})
+    with pytest.raises(MambaDebugError, match="version 0 but this mamba-debug reads version 1"):
+        load_trace(tmp_path / "old.safetensors")
+
+
+def test_bad_settings_are_clear_errors(model):
+    with pytest.raises(MambaDebugError, match="unknown site name 'gatee'"):
+        _run(model, capture="sites", capture_sites=["gatee"])
+    with pytest.raises(MambaDebugError, match="ubatch must be"):
+        _run(model, ubatch=0)
+    with pytest.raises(MambaDebugError, match="budget"):
+        _run(model, memory_budget_mb=0.01)
+
+
+def test_crashing_plugin_is_a_clear_error(model, plugin):
+    crash = plugin('def ssm_conv(*a):\n    raise IndexError("oops")\nOPS = {"ssm_conv": ssm_conv}\n')
+    with pytest.raises(PluginError, match=r"op ssm_conv\(.*raised IndexError: oops"):
+        _run(model, offload=1, kernels=crash)
+
+
+def test_sweep_matrix_and_bisect(model, plugin):
+    path = plugin(STRIDED_SILU)
+    base = CompareSettings(device="cpu", kernels=path, n_gen=2)
+    sw = run_sweep(model, PROMPT, base, ubatches=(1, 4), progress=False)
+    assert len(sw["cells"]) == 2 * 6
+    by = {(c["offload"], c["ubatch"]): c for c in sw["cells"]}
+    assert all(by[(o, 1)]["first_divergence"] is None for o in range(6))
+    assert by[(0, 4)]["first_divergence"] is None
+    assert [by[(o, 4)]["first_layer"] for o in range(1, 5)] == [3, 2, 1, 0]
+    out = bisect_layer(model, PROMPT, CompareSettings(device="cpu", kernels=path, n_gen=2, ubatch=4))
+    assert out["bad_layer"] == 3 and len(out["runs"]) <= 4
+
+
+def test_export_case_replays_the_failing_op(model, plugin, tmp_path):
+    case = export_case(model, PROMPT, CompareSettings(device="cpu", kernels=plugin(STRIDED_SILU), offload=2,
+                                                       ubatch=4, n_gen=0), tmp_path / "case")
+    assert case["layer"] == 2 and [c["op"] for c in case["calls"]] == ["silu", "silu"]
+    z_view = case["calls"][1]["args"][0]
+    assert z_view["stride"][-2] == 2 * model.config.d_inner        # the strided view of z was kept as a view
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "case")],
+                       capture_output=True, text=True, timeout=300)
+    assert "1 failed, 1 passed" in r.stdout, r.stdout[-2000:]
+
+
+def test_cli_compare_exit_codes_and_outputs(tmp_path, plugin):
+    folder = save_hf(random_model(n_layer=3), tmp_path / "m")
+    base = [sys.executable, "-m", "mamba_debug", "compare", "--model", str(folder), "--device", "cpu",
+            "--n-gen", "2", "--ubatch", "4"]
+    ok = subprocess.run(base + ["--kernels", "torch", "--json", str(tmp_path / "a.json")],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "a.json").read_text())["first_divergence"] is None
+    bad = subprocess.run(base + ["--kernels", plugin(STRIDED_SILU), "--offload", "1", "--report",
+                                 str(tmp_path / "r.html")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "DIVERGED at token 1" in bad.stdout
+    assert (tmp_path / "r.html").read_text().count("data:image/png;base64") >= 3
+    err = subprocess.run(base + ["--kernels", "nope"], capture_output=True, text=True, timeout=300)
+    assert err.returncode == 2 and "Traceback" not in err.stderr and "no such plug-in" in err.stderr
