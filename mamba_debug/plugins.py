@@ -102,9 +102,9 @@ def load_kernels(name_or_path: str, device: str = "interpret") -> dict[str, Call
 
 
 def _exec_plugin(path: Path, device: str) -> Plugin:
-    interpret = device != "cuda"
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    # Triton reads TRITON_INTERPRET when a kernel is defined and again at launch (and fixes its own library's
+    # mode at first import), so the variable stays set for the rest of the process rather than being restored.
+    os.environ["TRITON_INTERPRET"] = "0" if device == "cuda" else "1"
     mod_name = f"mamba_debug_plugin_{path.stem}_{device}"
     _LOADING_DEVICE.append(device)
     try:
@@ -117,10 +117,6 @@ def _exec_plugin(path: Path, device: str) -> Plugin:
         raise PluginError(f"plug-in {path}: failed to load ({type(exc).__name__}: {exc})") from exc
     finally:
         _LOADING_DEVICE.pop()
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
     ops = getattr(module, "OPS", None)
     if not isinstance(ops, dict) or not ops:
         raise PluginError(f"plug-in {path}: defines no OPS dict. Add OPS = {{'ssm_scan': my_scan, ...}} "

@@ -1,0 +1,54 @@
+"""Engine speed on a CPU (issue: divergence engine, "Speed"): one compare of the shipped tiny model over a
+64-token prompt plus 16 generated tokens with the Triton kernels under the interpreter, and a full
+offload 0..n_layer+1 x 4-ubatch sweep. Prints a table and writes benchmarks/results/engine_cpu.json.
+
+Run: python benchmarks/engine_cpu.py     (goals: compare <= 10 s, sweep <= 180 s on 2 cores)
+"""
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import mamba_debug as md  # noqa: E402
+from mamba_debug.compare import CompareSettings, run_compare  # noqa: E402
+from mamba_debug.sweep import run_sweep  # noqa: E402
+
+TEXT = ("It was a bright cold day in April, and the clocks were striking thirteen. The old man looked at the sea "
+        "and said that the wind would change before the night was over, and that the boats should stay in the "
+        "harbour until morning came again.")
+
+
+def main():
+    model = md.load_model()
+    ids = model.encode(TEXT)[:64]
+    assert len(ids) == 64, len(ids)
+    rows = []
+    for kernels in ("triton", "bug_strided_gate"):
+        s = CompareSettings(kernels=kernels, device="interpret", ubatch=512, n_gen=16)
+        run_compare(model, ids[:8], CompareSettings(kernels=kernels, device="interpret", n_gen=1))   # warm-up
+        t = time.perf_counter()
+        res = run_compare(model, ids, s)
+        rows.append({"what": f"compare 64+16, kernels {kernels}, offload all, ubatch 512", "seconds":
+                     time.perf_counter() - t, "diverged": res.first_divergence is not None, "goal_s": 10})
+    t = time.perf_counter()
+    sw = run_sweep(model, ids, CompareSettings(kernels="triton", device="interpret", n_gen=16),
+                   ubatches=(1, 8, 32, 512), progress=False)
+    rows.append({"what": f"sweep offload 0..{model.config.n_layer + 1} x ubatch 1,8,32,512 ({len(sw['cells'])} runs), "
+                         f"64+16 tokens, triton", "seconds": time.perf_counter() - t,
+                 "diverged": any(c["first_divergence"] for c in sw["cells"]), "goal_s": 180})
+    out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} cores, torch {torch.__version__}", "model": repr(model), "rows": rows}
+    Path(__file__).parent.joinpath("results", "engine_cpu.json").write_text(json.dumps(out, indent=1))
+    print(f"{'what':100s} {'s':>7s} {'goal':>5s} diverged")
+    for r in rows:
+        print(f"{r['what']:100s} {r['seconds']:7.2f} {r['goal_s']:5d} {r['diverged']}")
+
+
+if __name__ == "__main__":
+    main()
