@@ -97,8 +97,10 @@ def _ssm_conv_kernel(
     pid_s = tl.program_id(0).to(tl.int64)   # 64-bit: S * stride can pass 2**31 elements
     pid_d = tl.program_id(1)
     pid_t = tl.program_id(2)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    # Offsets are 64-bit from the start: no index product can overflow, and Triton's interpreter then skips its
+    # per-operation int32 overflow checks, which otherwise dominate the cost of a launch on the CPU.
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_d = offs_d < D
     mask = (offs_t < T)[:, None] & mask_d[None, :]
     state_base = state_ptr + pid_s * stride_state_s
@@ -117,7 +119,7 @@ def _ssm_conv_kernel(
     # New state = the last K-1 window rows, i.e. rows T .. T+K-2. When T < K-1 some of them are old state rows:
     # _load_window takes care of that. The first token tile of each channel block writes it (once).
     if pid_t == 0:
-        offs_r = tl.arange(0, BLOCK_KM1)
+        offs_r = tl.arange(0, BLOCK_KM1).to(tl.int64)
         mask_r = (offs_r < K - 1)[:, None] & mask_d[None, :]
         tail = _load_window(state_base, x_base, T + offs_r, offs_d, mask_r,
                             stride_state_t, stride_state_d, stride_x_t, stride_x_d, K - 1)
@@ -181,8 +183,8 @@ def _ssm_scan_kernel(
     # h [BLOCK_D, BLOCK_N] held in registers. B_t and C_t are loaded once per program and shared by its channels.
     pid_s = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)   # 64-bit: see _ssm_conv_kernel
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     mask_d = offs_d < D
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
