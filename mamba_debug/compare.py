@@ -12,6 +12,7 @@ recompute them: it starts at the boundary from ref32's hidden state (they would 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -193,7 +194,7 @@ def run_compare(model: MambaModel, prompt_ids, settings: Optional[CompareSetting
     ref_cache: a dict shared by runs that differ only in offload/kernels/device (a sweep): the reference
     side does not depend on them, so it is computed once and read back from the cache.
     """
-    s = settings or CompareSettings()
+    s = dataclasses.replace(settings) if settings is not None else CompareSettings()   # never edit the caller's
     cfg = model.config
     s.validate(cfg.n_layer)
     offload = cfg.n_layer + 1 if s.offload is None else s.offload
@@ -203,7 +204,7 @@ def run_compare(model: MambaModel, prompt_ids, settings: Optional[CompareSetting
     device = resolve_device(s.device)
     dev_backend = device_backend(s.kernels, device)
     t0 = time.perf_counter()
-    sides = _Sides(model, placement, dev_backend, s, _cache_for(ref_cache, tokens, s))
+    sides = _Sides(model, placement, dev_backend, s, _cache_for(ref_cache, model, tokens, s))
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict()}, placement=placement,
                         device_label=dev_backend.label, tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
     sides.run(tokens, res, progress)
@@ -214,11 +215,11 @@ def run_compare(model: MambaModel, prompt_ids, settings: Optional[CompareSetting
     return res
 
 
-def _cache_for(ref_cache, tokens, s: CompareSettings):
+def _cache_for(ref_cache, model, tokens, s: CompareSettings):
     """The part of a shared reference cache for this prompt, ubatch, n_gen and local mode."""
     if ref_cache is None:
         return None
-    key = (tuple(map(tuple, tokens.tolist())), s.ubatch, s.n_gen, s.local, s.reference)
+    key = (id(model), tuple(map(tuple, tokens.tolist())), s.ubatch, s.n_gen, s.local, s.reference)
     return ref_cache.setdefault(key, {"steps": []})
 
 

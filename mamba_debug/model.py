@@ -207,6 +207,9 @@ class Runner:
         y_scan, self.ssm_states[i] = ops.ssm_scan(self.ssm_states[i], conv_act, dt, w["A"], B, C, states_out=states)
         site("y_scan", y_scan)
         if states is not None:
+            # the last row is the state actually handed to the next ubatch, so a kernel that returns another
+            # state than its last h_t is caught at the token where it happens
+            states[:, -1] = self.ssm_states[i]
             site("ssm_state", states, True)
         else:
             site("ssm_state", self.ssm_states[i], False)

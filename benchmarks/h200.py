@@ -1,0 +1,188 @@
+"""One H200 call: correctness of the Triton kernels and of the engine with the kernels compiled for CUDA, then
+kernel timings with their byte floors. Writes benchmarks/results/h200.json (+ .md) into $OUT (or results/).
+
+Run on the GPU machine (TRITON_INTERPRET must be unset or 0 when triton is first imported):
+    TRITON_INTERPRET=0 python benchmarks/h200.py
+Prefill rows: median of triton.testing.do_bench (which flushes L2 between reps); decode rows: CUDA graphs
+(do_bench_cudagraph). Floor = bytes that must move / the device-to-device copy bandwidth measured in this run.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+import mamba_debug as md  # noqa: E402
+from mamba_debug import ops  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+OUT.mkdir(parents=True, exist_ok=True)
+TODAY = datetime.date.today().isoformat()
+# measured on an H200 on 2026-11-30 (research/perf-anchors.md §8): (op, d_inner, L, batch) -> µs
+REFERENCE_US = {("ssm_scan", 1536, 2048, 1): ("mamba_ssm selective_scan", 127.3),
+                ("ssm_scan", 5120, 512, 1): ("mamba_ssm selective_scan", 112.5),
+                ("ssm_scan", 5120, 2048, 1): ("mamba_ssm selective_scan", 387.1),
+                ("ssm_scan", 5120, 2048, 8): ("mamba_ssm selective_scan", 2859.1),
+                ("ssm_scan", 5120, 8192, 1): ("mamba_ssm selective_scan", 1614.3),
+                ("ssm_conv", 5120, 2048, 1): ("causal-conv1d fwd", 27.1),
+                ("ssm_conv", 5120, 2048, 8): ("causal-conv1d fwd", 167.9),
+                ("ssm_conv", 1536, 2048, 1): ("causal-conv1d fwd", 11.9),
+                ("ssm_scan", 5120, 1, 1): ("selective_state_update", 1.7),
+                ("ssm_scan", 5120, 1, 64): ("selective_state_update", 12.1),
+                ("ssm_conv", 5120, 1, 1): ("causal_conv1d_update", 1.9),
+                ("ssm_conv", 5120, 1, 64): ("causal_conv1d_update", 8.5)}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def _pytest(path: str) -> dict:
+    """A test file with the Triton kernels compiled for cuda (one device per process: Triton fixes its mode)."""
+    env = dict(os.environ, MAMBA_DEBUG_TEST_DEVICE="cuda", TRITON_INTERPRET="0")
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", path], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-500:]
+    if r.returncode:
+        log(r.stdout[-3000:], r.stderr[-2000:])
+    log(f"{path} on cuda:", tail)
+    return {"what": f"{path} on cuda", "rc": r.returncode, "summary": tail, "seconds": round(time.perf_counter() - t, 1)}
+
+
+def engine_on_cuda() -> list[dict]:
+    """No divergence anywhere on the offload x ubatch x S grid for the correct kernels; gallery expectations."""
+    from mamba_debug.compare import CompareSettings, run_compare
+    from mamba_debug.sweep import run_sweep
+    rows = []
+    model = md.load_model()
+    text = "It was a bright cold day in April, and the clocks were striking thirteen. The old man said"
+    ids = model.encode(text)[:40]
+    for S in (1, 3):
+        t = time.perf_counter()
+        sw = run_sweep(model, ids, CompareSettings(kernels="triton", device="cuda", n_gen=8), ubatches=(1, 7, 32, 512),
+                       n_seqs_list=(S,), progress=False)
+        bad = [c for c in sw["cells"] if c["first_divergence"]]
+        rows.append({"what": f"tiny model, triton on cuda, offload 0..{model.config.n_layer + 1} x ubatch 1,7,32,512, "
+                             f"S={S}, {len(ids)}+8 tokens", "runs": len(sw["cells"]), "diverged": len(bad),
+                     "max_kld": max(c["kld_max"] for c in sw["cells"]), "seconds": round(time.perf_counter() - t, 1)})
+        log(rows[-1])
+    rows.append(_pytest("tests/test_gallery.py"))
+    rows.append(_pytest("tests/test_engine.py"))
+    return rows
+
+
+# -- timings -------------------------------------------------------------------------------------------------
+def copy_bandwidth() -> float:
+    x = torch.empty(2 ** 28, device="cuda")          # 1 GiB
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), rep=200)
+    return 2 * x.numel() * 4 / (ms * 1e-3)            # bytes read + written per second
+
+
+def scan_inputs(S, L, D, N=16, R=None):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    R = R or -(-D // 32)
+    xz = torch.randn(S, L, 2 * D, device="cuda", generator=g)
+    dbc = torch.randn(S, L, R + 2 * N, device="cuda", generator=g)
+    x = xz[..., :D]
+    dt = torch.randn(S, L, D, device="cuda", generator=g) - 3
+    B, C = dbc[..., R:R + N], dbc[..., R + N:]
+    A = -torch.exp(torch.randn(D, N, device="cuda", generator=g) * 0.5)
+    h0 = torch.randn(S, D, N, device="cuda", generator=g) * 0.1
+    return h0, x, dt, A, B, C
+
+
+def time_rows(bw) -> list[dict]:
+    trit = md.load_kernels("triton", "cuda")
+    rows = []
+
+    def add(op, mode, D, L, S, us, nbytes, impl):
+        floor = nbytes / bw * 1e6
+        ref = REFERENCE_US.get((op, D, L, S)) if impl == "triton" else None
+        rows.append({"op": op, "mode": mode, "impl": impl, "d_inner": D, "L": L, "batch": S, "time_us": round(us, 2),
+                     "floor_us": round(floor, 2), "x_floor": round(us / floor, 2), "date": TODAY,
+                     "reference_kernel": ref[0] if ref else None, "reference_us": ref[1] if ref else None})
+        log(rows[-1])
+
+    for D in (1536, 3072, 5120):
+        for L in (128, 512, 2048, 8192):
+            for S in (1, 8):
+                if S * L * D > 8 * 2048 * 5120:
+                    continue
+                h0, x, dt, A, B, C = scan_inputs(S, L, D)
+                scan_bytes = 4 * (3 * S * L * D + 2 * S * L * 16 + D * 16 + 2 * S * D * 16)
+                us = do_bench(lambda: trit["ssm_scan"](h0, x, dt, A, B, C)) * 1e3
+                add("ssm_scan", "prefill", D, L, S, us, scan_bytes, "triton")
+                if L <= 512 and D == 1536:
+                    us = do_bench(lambda: ops.ssm_scan(h0, x, dt, A, B, C), rep=50) * 1e3
+                    add("ssm_scan", "prefill", D, L, S, us, scan_bytes, "torch reference (sequential loop)")
+                st = torch.randn(S, 3, D, device="cuda")
+                w = torch.randn(D, 4, device="cuda")
+                conv_bytes = 4 * (2 * S * L * D + 2 * S * 3 * D + 4 * D)
+                us = do_bench(lambda: trit["ssm_conv"](st, x, w)) * 1e3
+                add("ssm_conv", "prefill", D, L, S, us, conv_bytes, "triton")
+                if L <= 2048 and D == 5120:
+                    us = do_bench(lambda: ops.ssm_conv(st, x, w)) * 1e3
+                    add("ssm_conv", "prefill", D, L, S, us, conv_bytes, "torch reference")
+    for S in (1, 8, 64):
+        D = 5120
+        h0, x, dt, A, B, C = scan_inputs(S, 1, D)
+        st = torch.randn(S, 3, D, device="cuda")
+        w = torch.randn(D, 4, device="cuda")
+        for op, fn, nbytes in (("ssm_scan", lambda: trit["ssm_scan"](h0, x, dt, A, B, C), 4 * (2 * S * D * 16 + 3 * S * D + D * 16)),
+                               ("ssm_conv", lambda: trit["ssm_conv"](st, x, w), 4 * (2 * S * D + 2 * S * 3 * D + 4 * D))):
+            try:
+                us = do_bench_cudagraph(fn) * 1e3
+                impl = "triton"
+            except Exception as exc:   # graph capture can fail on some stacks: say so, time eagerly
+                log(f"cuda graph failed for {op}: {exc}")
+                us, impl = do_bench(fn) * 1e3, "triton (eager, graph capture failed)"
+            add(op, "decode", D, 1, S, us, nbytes, impl)
+    return rows
+
+
+def markdown(meta, correctness, rows) -> str:
+    lines = [f"# H200 run, {meta['date']}", "", f"{meta['gpu']}; torch {meta['torch']}, Triton {meta['triton']}; "
+             f"copy bandwidth measured {meta['copy_TBps']:.2f} TB/s (read + write).", "", "## Correctness on cuda", ""]
+    for c in correctness:
+        lines.append(f"- {json.dumps(c)}")
+    lines += ["", "## Kernel timings (fp32)", "",
+              "| op | mode | impl | d_inner | L | batch | µs | floor µs | x floor | reference kernel µs (perf-anchors §8) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = f"{r['reference_kernel']}: {r['reference_us']}" if r["reference_us"] else ""
+        lines.append(f"| {r['op']} | {r['mode']} | {r['impl']} | {r['d_inner']} | {r['L']} | {r['batch']} | "
+                     f"{r['time_us']} | {r['floor_us']} | {r['x_floor']} | {ref} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    assert torch.cuda.is_available(), "run this on the GPU machine"
+    meta = {"date": TODAY, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    correctness = [_pytest("tests/test_triton_kernels.py")]
+    correctness += engine_on_cuda()
+    bw = copy_bandwidth()
+    meta["copy_TBps"] = bw / 1e12
+    log("copy bandwidth TB/s", meta["copy_TBps"])
+    rows = time_rows(bw)
+    (OUT / "h200.json").write_text(json.dumps({"meta": meta, "correctness": correctness, "rows": rows}, indent=1))
+    (OUT / "h200.md").write_text(markdown(meta, correctness, rows))
+    log(markdown(meta, correctness, rows))
+
+
+if __name__ == "__main__":
+    main()
