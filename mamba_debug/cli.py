@@ -79,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list_kernels)
 
     from .engine_cli import add_engine_commands   # noqa: PLC0415
+    from .gguf_io import add_gguf_commands        # noqa: PLC0415
+    from .lab import add_lab_command              # noqa: PLC0415
     add_engine_commands(sub)
+    add_gguf_commands(sub)
+    add_lab_command(sub)
     return parser
 
 

@@ -152,8 +152,8 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
     V = int(by_name["token_embd.weight"].shape[-1])           # ne = {E, V}
     tied = "output.weight" not in by_name
     try:
-        cfg = MambaConfig(d_model=E, n_layer=L, vocab_size=V, d_state=N, d_conv=K,
-                          expand=D // E if E > 0 and D % E == 0 else 2, d_inner=D, dt_rank=R, rms_eps=_short_float(eps),
+        cfg = MambaConfig(d_model=E, n_layer=L, vocab_size=V, d_state=N, d_conv=K, d_inner=D, dt_rank=R,
+                          expand=D // E if E > 0 and D % E == 0 else 2, rms_eps=_short_float(eps),
                           tie_embeddings=tied, conv_bias=True, proj_bias=False)
     except ValueError as exc:
         raise CheckpointError(f"{path}: the mamba.* metadata describe an impossible model ({exc})") from exc
@@ -411,7 +411,8 @@ def _tokenizer_vocab(model: MambaModel) -> dict:
     if m.get("type") != "BPE" or not _is_byte_level(j.get("pre_tokenizer")):
         raise MambaDebugError(f"{where}: the tokenizer is {m.get('type')} with pre-tokenizer "
                               f"{(j.get('pre_tokenizer') or {}).get('type')}; llama.cpp's gpt2 tokenizer needs a "
-                              f"byte-level BPE. Drop the tokenizer (model.tokenizer = None) to export the weights alone")
+                              f"byte-level BPE. Drop the tokenizer (model.tokenizer = None) to export the weights "
+                              f"alone")
     id_to_tok: dict[int, str] = {int(i): s for s, i in m["vocab"].items()}
     special_ids, user_ids = set(), set()
     for a in j.get("added_tokens") or []:
@@ -507,8 +508,9 @@ def describe_gguf(path) -> str:
         f"rms_eps {f('mamba.attention.layer_norm_rms_epsilon'):g}",
         f"tensors   {len(reader.tensors)}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         + (" (output tied to token_embd)" if tied else ""),
-        f"tokenizer {tok}" + (f", {n_tok} tokens, pre {f('tokenizer.ggml.pre')!r}, bos {f('tokenizer.ggml.bos_token_id')}"
-                              f", eos {f('tokenizer.ggml.eos_token_id')}" if tok == "gpt2" else
+        f"tokenizer {tok}" + (f", {n_tok} tokens, pre {f('tokenizer.ggml.pre')!r}, "
+                              f"bos {f('tokenizer.ggml.bos_token_id')}, eos {f('tokenizer.ggml.eos_token_id')}"
+                              if tok == "gpt2" else
                               f", vocab_size {f('mamba.vocab_size')} (no tokenizer in the model)"),
     ]
     del reader

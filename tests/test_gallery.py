@@ -83,7 +83,7 @@ def _where(fd) -> str:
 def test_gallery_has_at_least_ten_variants_with_metadata():
     assert len(BUG_FILES) >= 10, [p.name for p in BUG_FILES]
     for path in BUG_FILES:
-        plugin = load_plugin(str(path), "interpret")
+        plugin = load_plugin(str(path), DEVICE)
         assert plugin.name == path.stem, f"{path.name}: NAME must be {path.stem!r}"
         module = plugin.module
         assert module.__doc__ and module.__doc__.strip(), f"{path.name}: no module docstring"
@@ -112,7 +112,7 @@ def test_gallery_has_at_least_ten_variants_with_metadata():
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf/NaN is the point there
 @pytest.mark.parametrize("path,index", list(_cases()))
 def test_variant_shows_its_expected_first_divergence(path, index):
-    entry = load_plugin(str(path), "interpret").bug["expect"][index]
+    entry = load_plugin(str(path), DEVICE).bug["expect"][index]
     res = _compare(str(path), entry["settings"], n_gen=entry.get("n_gen", 4), prompt_len=entry.get("prompt_len", 40),
                    repeat=entry.get("repeat", 1), dt_bias=(entry.get("model") or {}).get("dt_bias"))
     fd, want = res.first_divergence, entry["first_divergence"]
