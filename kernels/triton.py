@@ -89,6 +89,7 @@ def _ssm_conv_kernel(
     # meta-parameters
     K: tl.constexpr,            # kernel width (d_conv)
     BLOCK_KM1: tl.constexpr,    # K-1 rounded up to a power of two (tl.arange needs one)
+    BLOCK_K: tl.constexpr,      # K rounded up to a power of two
     BLOCK_T: tl.constexpr,      # tokens per program
     BLOCK_D: tl.constexpr,      # channels per program
 ):
@@ -106,13 +107,21 @@ def _ssm_conv_kernel(
     state_base = state_ptr + pid_s * stride_state_s
     x_base = x_ptr + pid_s * stride_x_s
 
-    # out[t] = sum_k w[k] * window[t + k], summed in k order like the reference.
-    acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
-    for k in tl.static_range(K):
-        w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
-        window_k = _load_window(state_base, x_base, offs_t + k, offs_d, mask,
-                                stride_state_t, stride_state_d, stride_x_t, stride_x_d, K - 1)
-        acc += w_k[None, :] * window_k
+    # out[t] = sum_k w[k] * window[t + k]: the K taps are a third block dimension, so the window is read
+    # with one pair of loads (fewer, larger operations: also what keeps the interpreter fast).
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_k = offs_k < K
+    w = tl.load(w_ptr + offs_k[:, None] * stride_w_k + offs_d[None, :] * stride_w_d,
+                mask=mask_k[:, None] & mask_d[None, :], other=0.0).to(tl.float32)          # [BLOCK_K, BLOCK_D]
+    rows = offs_t[:, None] + offs_k[None, :]                                                # [BLOCK_T, BLOCK_K]
+    in_state = (rows < K - 1)[:, :, None]
+    mask3 = mask[:, None, :] & mask_k[None, :, None]
+    from_state = tl.load(state_base + rows[:, :, None] * stride_state_t + offs_d[None, None, :] * stride_state_d,
+                         mask=mask3 & in_state, other=0.0)
+    from_x = tl.load(x_base + (rows - (K - 1))[:, :, None] * stride_x_t + offs_d[None, None, :] * stride_x_d,
+                     mask=mask3 & ~in_state, other=0.0)
+    window = tl.where(in_state, from_state, from_x).to(tl.float32)                          # [T, K, D]
+    acc = tl.reduce(window * w[None, :, :], 1, tl.standard._sum_combine)   # tl.sum(.., axis=1), see top
     out_ptrs = out_ptr + pid_s * stride_out_s + offs_t[:, None] * stride_out_t + offs_d[None, :] * stride_out_d
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -260,8 +269,9 @@ def _launch_config(op: str, S: int, T: int, D: int, N: int = 1, device=None) -> 
         block_t = min(triton.next_power_of_2(T), max(1, 2 ** 16 // block_d))   # conv tiles up to 64K elements
         return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=1)
     if op == "ssm_conv":
-        # 128 channels x up to 32 tokens: 512-byte coalesced rows, and enough programs along T for long prompts.
-        block_d, block_t = 128, min(triton.next_power_of_2(T), 32)
+        # 128 channels x up to 16 tokens x the K taps: 512-byte coalesced rows, and programs along T for long
+        # prompts (the K taps are a block dimension too, so 16 tokens keep as many values live as 32 did before).
+        block_d, block_t = 128, min(triton.next_power_of_2(T), 16)
     else:
         # The scan is sequential in T, so parallelism comes from S x D only: the largest channel block that
         # still gives about two programs per SM (the reference decode kernel uses 32).
@@ -319,7 +329,7 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
         conv_state, x, weight, out, new_state,
         T, D,
         *conv_state.stride(), *x.stride(), *weight.stride(), *out.stride(), *new_state.stride(),
-        K=K, BLOCK_KM1=triton.next_power_of_2(K - 1),
+        K=K, BLOCK_KM1=triton.next_power_of_2(K - 1), BLOCK_K=triton.next_power_of_2(K),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
     )
     return out, new_state

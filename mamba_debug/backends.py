@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +82,21 @@ def device_backend(kernels: str | None = "triton", device: str | None = None) ->
     what = f"kernels '{name}' ({', '.join(overridden)}; other ops torch)" if overridden else "torch ops"
     return Backend(f"device:{name}", OpTable(name, ops, supports_states_out), torch.float32, torch_device,
                    f"device {device}: float32 {what} {where}".replace("  ", " "))
+
+
+@contextlib.contextmanager
+def cpu_threads_for(config):
+    """One CPU thread for small models while running them, then restore.
+
+    Each op of a small model (d_inner up to 1024) is too little work to split across threads, and OpenMP's
+    spin-waiting makes two threads on two busy cores far slower: a tiny-model compare took 51 s with 2 threads
+    and 2 s with 1 while one other process ran (2026-11-30, this project's CI-sized machine)."""
+    if config.d_inner > 1024 or torch.get_num_threads() == 1:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

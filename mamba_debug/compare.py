@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .backends import Backend, cpu_backend, device_backend, reference_backend, resolve_device
+from .backends import Backend, cpu_backend, cpu_threads_for, device_backend, reference_backend, resolve_device
 from .errors import MambaDebugError
 from .metrics import logit_stats, perplexity, site_errors
 from .model import LAYER_SITES, MODEL_SITES, STATE_SITES, MambaModel, Runner, check_tokens
@@ -207,7 +207,8 @@ def run_compare(model: MambaModel, prompt_ids, settings: Optional[CompareSetting
     sides = _Sides(model, placement, dev_backend, s, _cache_for(ref_cache, model, tokens, s))
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict()}, placement=placement,
                         device_label=dev_backend.label, tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
-    sides.run(tokens, res, progress)
+    with cpu_threads_for(cfg):
+        sides.run(tokens, res, progress)
     res.timings["compare_s"] = time.perf_counter() - t0
     res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
     res.first_divergence = find_first_divergence(res)
@@ -264,21 +265,33 @@ class _Sides:
         acc = _Accumulator(res, self.s)
         fed, pos = [], 0
         total = len(schedule) + self.s.n_gen
+        self.fork, self.n_sched = None, len(schedule)
         for u in range(total):
             chunk = schedule[u] if u < len(schedule) else nxt[:, None]
             T = chunk.shape[1]
             res.token_info += [TokenInfo(pos + j, u, j, T, "prompt" if u < len(schedule) else "gen") for j in range(T)]
-            ref_logits = self._step(u, chunk, acc)
+            ref_logits, dev_logits = self._step(u, chunk, acc)
             fed.append(chunk)
             pos += T
             nxt = ref_logits[:, -1].argmax(-1)
-            if u == len(schedule) - 1:
-                self._after_prefill(res, tokens)
+            g = u - (len(schedule) - 1)          # index of the generated token chosen after this ubatch
+            if 0 <= g < self.s.n_gen and self.fork is None and self.s.free_run:
+                self._maybe_fork(u, g, nxt, dev_logits[:, -1].argmax(-1).cpu())
             if progress:
                 progress(u + 1, total)
         res.tokens = torch.cat(fed, dim=1)
         acc.finish()
         self._generations(res)
+
+    def _maybe_fork(self, u, g, ref_next, dev_next):
+        """The device would pick another token than the reference here: keep its states, so its own (free-running)
+        generation can continue from this point later. Until then both generations are the same tokens."""
+        if torch.equal(ref_next, dev_next):
+            return
+        host = self.cache["host_states"][u]
+        states = [host[i] if i < self.start else (c.clone(), s.clone())
+                  for i, (c, s) in enumerate(zip(self.dev.conv_states, self.dev.ssm_states))]
+        self.fork = {"g": g, "next": dev_next, "states": states}
 
     def _runners(self):
         return [r for r in (self.ref32, self.ref64, self.dev, self.dev2, self.local) if r is not None]
@@ -294,6 +307,11 @@ class _Sides:
         v64 = self.cap64.take()
         step = (l32, v32, l64, v64, states_before)
         self.cache["steps"].append(step)
+        # ref32's states after this ubatch: the host blocks' states, should the device side fork off here
+        # (kept only from the last prompt ubatch on, where generated tokens are chosen)
+        self.cache.setdefault("host_states", []).append(
+            [(c.clone(), s.clone()) for c, s in zip(self.ref32.conv_states, self.ref32.ssm_states)]
+            if u >= self.n_sched - 1 else None)
         return step
 
     def _step(self, u, chunk, acc: "_Accumulator"):
@@ -303,10 +321,10 @@ class _Sides:
         lref = l64 if ref_runner is self.ref64 else l32
         if self.has_device:
             h0 = v32[(self.start - 1, "resid")][0] if self.start > 0 else None
-            self.dev.forward(chunk, self.start, h0)
+            ldev = self.dev.forward(chunk, self.start, h0)
             vdev = self.capdev.take()
         else:
-            vdev = {}
+            ldev, vdev = l32, {}
         for key, val in v32.items():      # host blocks (and head) are shared with ref32: identical by construction
             vdev.setdefault(key, val)
         extra = {}
@@ -316,7 +334,7 @@ class _Sides:
         if self.local is not None:
             extra["local"] = self._local_step(chunk, vref, states_before)
         acc.add(vdev, vref, v32, v64, extra)
-        return lref
+        return lref, ldev
 
     def _ref_states(self):
         r, _ = self._refside()
@@ -338,30 +356,21 @@ class _Sides:
         self.local.forward(chunk, feed=feed)
         return self.local.hook.take()
 
-    def _after_prefill(self, res, tokens):
-        res.snapshot = [(c.clone(), s.clone()) for c, s in zip(self.dev.conv_states, self.dev.ssm_states)]
-        if "snapshot_host" not in self.cache:
-            self.cache["snapshot_host"] = [(c.clone(), s.clone())
-                                           for c, s in zip(self.ref32.conv_states, self.ref32.ssm_states)]
-        res.snapshot_host = self.cache["snapshot_host"]
-
     def _generations(self, res: CompareResult):
-        """Reference text = the teacher-forced tokens; device text = the device side generating on its own."""
+        """Reference text = the teacher-forced tokens; device text = the device side generating on its own, which
+        costs nothing extra while it picks the reference's tokens (its states are the teacher-forced ones)."""
         model, S, G, P = self.model, res.tokens.shape[0], self.s.n_gen, res.n_prompt
         ref_gen = res.tokens[:, P:]
         dev_gen = ref_gen.clone()
-        if self.s.free_run and G > 0 and self.has_device:
+        if self.fork is not None:
             self.dev.hook = None
-            for i in range(model.config.n_layer):      # host blocks were shared: give them ref32's states
-                src = res.snapshot_host[i] if i < self.start else res.snapshot[i]
-                self.dev.conv_states[i], self.dev.ssm_states[i] = src[0].clone(), src[1].clone()
-            nxt = ref_gen[:, 0]
-            out = []
-            for _ in range(G):
-                out.append(nxt)
-                nxt = self.dev.forward(nxt[:, None])[:, -1].argmax(-1).cpu()
-            dev_gen = torch.stack(out, dim=1)
-        del res.snapshot, res.snapshot_host
+            for i, (c, s) in enumerate(self.fork["states"]):
+                self.dev.conv_states[i], self.dev.ssm_states[i] = c.clone(), s.clone()
+            g, t = self.fork["g"], self.fork["next"]
+            for j in range(g, G):
+                dev_gen[:, j] = t
+                if j + 1 < G:
+                    t = self.dev.forward(t[:, None])[:, -1].argmax(-1).cpu()
         res.generations = {
             "prompt": [model.decode(res.tokens[s, :P].tolist()) for s in range(S)],
             "reference": [model.decode(ref_gen[s].tolist()) for s in range(S)],

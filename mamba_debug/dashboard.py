@@ -94,6 +94,8 @@ class DashState:
     view: ViewState
 
 
+PNG_CACHE_SIZE = 256                         # rendered views kept (about 20-30 kB each)
+
 # Which views depend on which view fields (a run change redraws everything).
 VIEW_DEPENDS = {
     "curve": {"token", "site", "metric", "seq"},
@@ -145,7 +147,7 @@ class RunCache:
 # =====================================================================================================
 # Views (pure: figure + result + view state in, drawing out)
 # =====================================================================================================
-MARGINS = dict(left=0.09, right=0.97, bottom=0.15, top=0.90, wspace=0.35)   # fixed: tight_layout costs ~0.2 s
+MARGINS = dict(left=0.12, right=0.97, bottom=0.15, top=0.88, wspace=0.35)   # fixed: tight_layout costs ~0.2 s
 
 
 def _fresh_axes(fig, *grid):
@@ -163,6 +165,8 @@ def draw_curve(fig, res: CompareResult, v: ViewState) -> np.ndarray:
     token = min(v.token, res.tokens.shape[1] - 1)
     plots.layer_curve(res, ax, token=token, site=v.site, metric=v.metric, seq=v.seq)
     info = res.token_info[token]
+    if ax.get_legend() is not None:  # the lower right is mostly the floor band; the data sits higher
+        ax.legend(loc="lower right", fontsize=6, framealpha=0.8)
     if ax.get_yscale() == "log":     # a few decades labelled, no minor ticks: a third of the drawing time
         from matplotlib.ticker import LogLocator, NullLocator  # noqa: PLC0415
         ax.yaxis.set_major_locator(LogLocator(numticks=6))
@@ -185,8 +189,9 @@ def draw_states(fig, res: CompareResult, v: ViewState) -> np.ndarray:
     ax_ssm, ax_conv = _fresh_axes(fig, 1, 2)
     plots.state_diff(res, ax_ssm, v.layer, v.token, "ssm_state", seq=v.seq)
     plots.state_diff(res, ax_conv, v.layer, v.token, "conv_state", seq=v.seq)
+    import textwrap  # noqa: PLC0415
     for ax in (ax_ssm, ax_conv):
-        ax.title.set_fontsize(8)
+        ax.set_title(textwrap.fill(ax.get_title(), 60), fontsize=8)
     return np.asarray(ax_ssm.images[0].get_array(), dtype=float) if ax_ssm.images else np.array([])
 
 
@@ -234,13 +239,14 @@ def generations_html(res: CompareResult, decode: Callable[[list], str], seq: int
     same = ("<span style='color:green'>identical</span>" if first is None else
             f"<span style='color:#c00'>first differing generated token: {first}</span>")
     device = html.escape(res.device_label)
-    return (f"<div style='font-family:sans-serif;font-size:12px'>"
+    return (f"<div style='font-family:sans-serif;font-size:12px;line-height:1.4'>"
             f"<div style='color:#555'>prompt (seq {seq}): &hellip;{prompt}</div>"
-            f"<table style='border-collapse:collapse;width:100%'><tr>"
-            f"<th style='text-align:left;width:50%'>reference (CPU float32)</th>"
-            f"<th style='text-align:left'>device, free-running ({device})</th></tr>"
+            f"<table style='border-collapse:collapse;width:100%;margin-top:4px'><tr>"
+            f"<th style='text-align:left;width:50%'>reference (CPU)</th>"
+            f"<th style='text-align:left' title='{device}'>device (free-running)</th></tr>"
             f"<tr><td style='vertical-align:top'>{row(ref_ids, 'reference')}</td>"
-            f"<td style='vertical-align:top'>{row(dev_ids, 'device')}</td></tr></table>{same}</div>")
+            f"<td style='vertical-align:top'>{row(dev_ids, 'device')}</td></tr></table>{same}"
+            f"<div style='color:#888;font-size:10px'>{device}</div></div>")
 
 
 def sweep_cell(res: CompareResult) -> dict:
@@ -322,6 +328,7 @@ class Dashboard:
         self.timings: dict = {}
         self.images: dict[str, bytes] = {}
         self.view_data: dict[str, np.ndarray] = {}
+        self._pngs: "OrderedDict[tuple, tuple]" = OrderedDict()   # rendered views, by run and view state
         self.dpi = dpi
         self._holding = False
         self._fixed = dict(n_gen=n_gen, n_seqs=n_seqs, device=device, reference=reference, rule=rule)
@@ -627,6 +634,7 @@ class Dashboard:
                     self.w_layer.value = fd["layer"]
         return self._read_state()
 
+    @_guarded
     def _goto_first(self):
         fd = self.result.first_divergence if self.result is not None else None
         if fd is None:
@@ -711,32 +719,48 @@ class Dashboard:
 
     # -- internals: drawing ----------------------------------------------------------------------------
     def _redraw(self, views: set, st: DashState):
-        res = self.result
-        v = st.view
-        if "curve" in views:
-            self.view_data["curve"] = draw_curve(self._figs["curve"], res, v)
-            self._show("curve")
-        if "heatmap" in views:
-            self.view_data["heatmap"] = draw_heatmap(self._figs["heatmap"], res, v)
-            self._show("heatmap")
-        if "states" in views:
-            self.view_data["states"] = draw_states(self._figs["states"], res, v)
-            self._show("states")
+        """Draw the views (a PNG already rendered for this run and view state is shown again as it is)."""
+        res, v = self.result, st.view
+        for name, draw in (("curve", draw_curve), ("heatmap", draw_heatmap), ("states", draw_states)):
+            if name in views:
+                key = (name, st.run, tuple(getattr(v, f) for f in sorted(VIEW_DEPENDS[name])))
+                hit = self._pngs.get(key)
+                if hit is None:
+                    data = draw(self._figs[name], res, v)
+                    hit = (fig_png(self._figs[name], self.dpi), data)
+                    self._remember(key, hit)
+                png, self.view_data[name] = hit
+                self._show(name, png)
         if "text" in views:
             self.w_text.value = generations_html(res, self.model.decode, v.seq)
         if "sweep" in views:
-            draw_sweep(self._figs["sweep"], self.sweep, (st.run.offload, st.run.ubatch))
+            current = (st.run.offload, st.run.ubatch)
             if self._sweep_canvas is not None:
+                draw_sweep(self._figs["sweep"], self.sweep, current)
                 self._sweep_canvas.draw_idle()
                 if not getattr(self, "_click_cid", None):
                     self._click_cid = self._figs["sweep"].canvas.mpl_connect("button_press_event",
                                                                             self._on_sweep_click)
             else:
-                self._show("sweep")
+                cells = tuple(sorted((c["offload"], c["ubatch"], c["first_token"], c["first_layer"])
+                                     for c in self.sweep["cells"]))
+                key = ("sweep", self.sweep.get("kernels"), cells, current)
+                hit = self._pngs.get(key)
+                if hit is None:
+                    draw_sweep(self._figs["sweep"], self.sweep, current)
+                    hit = (fig_png(self._figs["sweep"], self.dpi), None)
+                    self._remember(key, hit)
+                self._show("sweep", hit[0])
         self.w_status.value = self._status_html()
 
-    def _show(self, name: str):
-        png = fig_png(self._figs[name], self.dpi)
+    def _remember(self, key, value):
+        self._pngs[key] = value
+        while len(self._pngs) > PNG_CACHE_SIZE:
+            self._pngs.popitem(last=False)
+
+    def _show(self, name: str, png: bytes):
+        if self.images.get(name) is png:
+            return                    # already on screen
         self.images[name] = png
         out = self.out[name]
         if not _in_kernel():          # plain Python (tests, benchmarks): no frontend to display into
@@ -750,10 +774,11 @@ class Dashboard:
         if res is None:
             return "<i>no run yet</i>"
         colour = "#c00" if res.first_divergence else "#070"
-        return (f"<div style='font-size:12px'><b>{html.escape(res.placement.describe())}</b>, ubatch "
-                f"{res.settings.ubatch}, kernels <code>{html.escape(res.settings.kernels)}</code> "
-                f"({html.escape(res.device_label)})<br><span style='color:{colour}'>{html.escape(verdict(res))}"
-                f"</span></div>")
+        ub = res.settings.ubatch
+        ub_text = f"ubatch {ub}" if ub < res.n_prompt else f"ubatch {res.n_prompt} (the whole prompt)"
+        return (f"<div style='font-size:12px;line-height:1.4'><b>{html.escape(res.placement.describe())}</b>, "
+                f"{ub_text}<br><span style='color:#666'>{html.escape(res.device_label)}</span><br>"
+                f"<span style='color:{colour}'>{html.escape(verdict(res))}</span></div>")
 
     def _set_timings(self, t0: float, source: str, run_ms: float, views: str):
         total = (time.perf_counter() - t0) * 1e3

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .backends import Backend, cpu_backend, reference_backend
+from .backends import Backend, cpu_backend, cpu_threads_for, reference_backend
 from .config import MambaConfig
 from .errors import MambaDebugError
 from .placement import Placement
@@ -71,19 +71,19 @@ class MambaModel:
         tokens = check_tokens(tokens, self.config.vocab_size)
         host = reference_backend() if backend == "reference" else cpu_backend()
         runner = Runner(self, host)
-        return runner.prefill(tokens, ubatch or tokens.shape[1])
+        with cpu_threads_for(self.config):
+            return runner.prefill(tokens, ubatch or tokens.shape[1])
 
     def generate(self, tokens: torch.Tensor, n_gen: int, *, ubatch: int = 512, runner: "Runner | None" = None):
         """Greedy continuation: returns the new token ids [S, n_gen]."""
         tokens = check_tokens(tokens, self.config.vocab_size)
         runner = runner or Runner(self, reference_backend())
-        logits = runner.prefill(tokens, ubatch)
         out = []
-        nxt = logits[:, -1].argmax(-1)
-        for _ in range(n_gen):
-            out.append(nxt)
-            logits = runner.forward(nxt[:, None])
-            nxt = logits[:, -1].argmax(-1)
+        with cpu_threads_for(self.config):
+            nxt = runner.prefill(tokens, ubatch)[:, -1].argmax(-1)
+            for _ in range(n_gen):
+                out.append(nxt)
+                nxt = runner.forward(nxt[:, None])[:, -1].argmax(-1)
         return torch.stack(out, dim=1) if out else tokens.new_zeros((tokens.shape[0], 0))
 
 
