@@ -221,7 +221,7 @@ def _cache_for(ref_cache, model, tokens, s: CompareSettings):
     if ref_cache is None:
         return None
     key = (id(model), tuple(map(tuple, tokens.tolist())), s.ubatch, s.n_gen, s.local, s.reference)
-    return ref_cache.setdefault(key, {"steps": []})
+    return ref_cache.setdefault(key, {})
 
 
 def _check_budget(model: MambaModel, s: CompareSettings, n_tok: int):
@@ -244,7 +244,10 @@ class _Sides:
 
     def __init__(self, model, placement: Placement, dev_backend: Backend, s: CompareSettings, cache=None):
         self.model, self.placement, self.s = model, placement, s
-        self.cache = cache if cache is not None else {"steps": []}
+        # A shared reference cache is read only once a run completed it and written only when this run
+        # completes: an interrupted run must not leave half a reference behind for the next one.
+        self.shared = cache
+        self.cache = cache if cache is not None and cache.get("complete") else {"steps": []}
         self.cap32, self.cap64, self.capdev = _Capture(), _Capture(), _Capture()
         self.ref32 = Runner(model, cpu_backend(), hook=self.cap32)
         self.ref64 = Runner(model, reference_backend(), hook=self.cap64)
@@ -280,6 +283,8 @@ class _Sides:
             if progress:
                 progress(u + 1, total)
         res.tokens = torch.cat(fed, dim=1)
+        if self.shared is not None and not self.shared.get("complete"):
+            self.shared.update(self.cache, complete=True)
         acc.finish()
         self._generations(res)
 

@@ -16,6 +16,15 @@ from .model import LAYER_SITES, MODEL_SITES
 DEVICE_SHADE = dict(color="tab:orange", alpha=0.12)
 
 
+def _colorbar(ax, im, **kw):
+    """One colorbar per Axes, replaced on redraw (redrawing into the same Axes must not pile them up)."""
+    old = getattr(ax, "_mamba_debug_colorbar", None)
+    if old is not None:
+        old.remove()
+    ax._mamba_debug_colorbar = ax.figure.colorbar(im, ax=ax, fraction=0.04, **kw)
+    return ax._mamba_debug_colorbar
+
+
 def _errors(res: CompareResult, site: str, metric: str = "rel_l2", seq: int = 0) -> np.ndarray:
     """[n_layer (+1 for a model-level site), n_tok] of one site's metric for one sequence (NaN = not captured)."""
     if site in MODEL_SITES:
@@ -44,6 +53,9 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
         thr = _floor_line(res, site)
         ax.fill_between(layers, 1e-12, thr / res.settings.k_floor, color="tab:green", alpha=0.15, label="rounding floor")
         ax.plot(layers, thr, "--", color="tab:green", label=f"threshold ({res.settings.k_floor:g}x floor)")
+    if np.all(np.nan_to_num(y, nan=0.0) == 0):
+        ax.text(0.5, 0.5, "device and reference identical here (error 0)", ha="center", va="center",
+                transform=ax.transAxes)
     bad = ~np.isfinite(y) & ~np.isnan(y)
     for i in np.nonzero(bad)[0]:
         ax.annotate("NaN/Inf", (i, ax.get_ylim()[1]), color="red", ha="center", va="top")
@@ -76,7 +88,7 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
     ax.set_ylabel("layer" if site not in MODEL_SITES else site)
     ax.set_title(f"log10 {metric} of '{site}', seq {seq}")
     if colorbar:
-        ax.figure.colorbar(im, ax=ax, fraction=0.04)
+        _colorbar(ax, im)
     return ax
 
 
@@ -113,7 +125,7 @@ def state_diff(res: CompareResult, ax, layer: int, token: int, which="ssm_state"
     ax.set_ylabel("channel d")
     where = "" if toks[idx] == token else f" (nearest capture: token {toks[idx]}, ubatch boundary)"
     ax.set_title(f"{which} device - reference, layer {layer}, token {token}{where}", fontsize=9)
-    ax.figure.colorbar(im, ax=ax, fraction=0.04)
+    _colorbar(ax, im)
     return ax
 
 
@@ -137,5 +149,6 @@ def sweep_matrix(sweep: dict, ax, value="first_token"):
     ax.set_xlabel("ubatch")
     ax.set_ylabel("offload (-ngl)")
     ax.set_title("first divergence (token, layer) per configuration")
-    ax.figure.colorbar(im, ax=ax, fraction=0.04, label=value)
+    if np.isfinite(grid).any():          # nothing diverged: no scale to show
+        _colorbar(ax, im, label=value)
     return ax

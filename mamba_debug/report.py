@@ -7,20 +7,28 @@ import io
 import json
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure   # no pyplot: the report must not switch a notebook's backend
 
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
+from . import plots
+from .compare import CompareResult
+from .result import summary, to_json
 
-from . import plots  # noqa: E402
-from .compare import CompareResult  # noqa: E402
-from .result import summary, to_json  # noqa: E402
+
+class _Plt:
+    """Just enough of pyplot.subplots, on standalone Figures."""
+
+    @staticmethod
+    def subplots(figsize):
+        fig = Figure(figsize=figsize)
+        return fig, fig.add_subplot()
+
+
+plt = _Plt()
 
 
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
