@@ -1,22 +1,39 @@
 # Two commands on a fresh machine (see README):
-#   make demo   installs and runs the main job: compare the shipped tiny model on whatever device exists
-#   make test   installs and runs the test suite (what CI runs through .ci/run)
+#   make demo   installs, then runs the main job on the shipped tiny model (writes out/)
+#   make test   installs, then runs the whole test suite (what CI runs through .ci/run)
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: setup demo test test-fast lab
+.PHONY: setup setup-test demo test lab bench-cpu
 
+# torch: a CPU machine takes the CPU build on disk (torch==2.13.0); a machine that already has a torch keeps it.
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 
-demo: setup
-	mamba-debug compare --report out/report.html --json out/compare.json; test $$? -le 1
+# the notebook/browser extras, Debian's chromium for the real-browser test, and llama.cpp built once from source
+# (llama-cpp-python, ~14 min the first time on 2 cores, then cached in ~/.cache/mamba-debug)
+setup-test: setup
+	$(PIP) install -q -r requirements-lab.txt
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "WARNING: could not install chromium (needs root): tests/test_browser.py will skip"
+	PYTHON=$(PYTHON) bash tests/llamacpp/build.sh
 
-test: setup
+# The main job: the correct Triton kernels (no divergence expected), then the #6758 bug (divergence expected).
+demo: setup
+	mamba-debug compare --json out/compare.json --report out/report.html
+	mamba-debug compare --kernels bug_strided_gate --offload 6 --ubatch 8 \
+		--json out/bug_strided_gate.json --report out/bug_strided_gate.html; test $$? -eq 1
+	@echo "reports: out/report.html out/bug_strided_gate.html"
+
+test: setup-test
 	$(PYTHON) -m pytest -q
 
 lab: setup
 	$(PIP) install -q -r requirements-lab.txt
 	mamba-debug lab
+
+bench-cpu: setup
+	$(PYTHON) benchmarks/engine_cpu.py
+	$(PYTHON) benchmarks/dashboard_responsiveness.py

@@ -38,7 +38,8 @@ def _nonneg(name):
     return parse
 
 
-DEFAULT_PROMPT = "The old man looked at the sea and said"
+DEFAULT_PROMPT = ("It was a fine morning in the country, and Mr. Darcy walked with Elizabeth to the house, "
+                  "where her mother said that")
 
 
 def cmd_generate(args) -> int:

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""How responsive is the notebook dashboard on the shipped tiny model, on this CPU?
+
+Measures, in milliseconds (the dashboard's own `timings`, plus wall time around each call):
+  * cached configuration: the offload / ubatch slider moved back to a configuration seen before: no run; the
+    views come from the PNG cache when this run was already shown with the same view settings ("seen views"),
+    else matplotlib draws them from the cached run ("views drawn");
+  * token step: the token slider moved by one to a token not shown before (no run; curve and state inspector
+    drawn);
+  * first result: the offload / ubatch slider moved to a new configuration (a full comparison, then a redraw),
+    with the device side under Triton's interpreter on this CPU (on a GPU the run part shrinks).
+
+Redraw = matplotlib renders each view to PNG, as in a notebook; the browser's own repaint (< 50 ms) is not in it.
+Writes benchmarks/results/dashboard_cpu.json and prints a table.
+
+    python3 benchmarks/dashboard_responsiveness.py [--repeats 5] [--n-gen 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+          "must be in want of a")
+
+
+def _timed(dash, **values) -> dict:
+    t = time.perf_counter()
+    dash.set(**values)
+    wall = (time.perf_counter() - t) * 1e3
+    if dash.errors:
+        raise RuntimeError(f"dashboard error: {dash.errors[-1]['message']}")
+    return dict(dash.timings, wall_ms=wall)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="repeats of each cached measurement")
+    ap.add_argument("--n-gen", type=int, default=4)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dashboard_cpu.json"))
+    args = ap.parse_args()
+
+    import torch
+    import triton
+
+    import mamba_debug as md
+    from mamba_debug.backends import resolve_device
+    from mamba_debug.dashboard import Dashboard
+
+    model = md.load_model()
+    L = model.config.n_layer
+    P = len(model.encode(PROMPT))
+    load_before = os.getloadavg()
+    t = time.perf_counter()
+    dash = Dashboard(model, PROMPT, kernels="triton", n_gen=args.n_gen, offload=2, ubatch=P)
+    first = dict(dash.timings, wall_ms=(time.perf_counter() - t) * 1e3)
+
+    new_runs = {"offload 2, ubatch P (dashboard start)": first}
+    new_runs[f"offload {L + 1} (all + head), ubatch P"] = _timed(dash, offload=L + 1)
+    new_runs["offload 6, ubatch P"] = _timed(dash, offload=6)
+    new_runs["offload 2, ubatch 8"] = _timed(dash, offload=2, ubatch=8)
+
+    cached, drawn, steps = [], [], []
+    seen = [dict(offload=L + 1, ubatch=P), dict(offload=6, ubatch=P), dict(offload=2, ubatch=8),
+            dict(offload=2, ubatch=P)]
+    for i in range(args.repeats * len(seen)):
+        r = _timed(dash, **seen[i % len(seen)])
+        assert r["source"] == "cache", r
+        cached.append(r)
+    for i in range(args.repeats * len(seen)):
+        dash._pngs.clear()                    # the run is cached, its views must be drawn again
+        r = _timed(dash, **seen[i % len(seen)])
+        assert r["source"] == "cache", r
+        drawn.append(r)
+    n_tok = dash.result.tokens.shape[1]
+    for i in range(args.repeats * 2):
+        dash._pngs.clear()
+        r = _timed(dash, token=(dash.w_token.value + 1) % n_tok)
+        assert r["source"] == "view", r
+        steps.append(r)
+
+    def med(rows, key):
+        return round(statistics.median(r[key] for r in rows), 1)
+
+    result = {
+        "what": "mamba-debug dashboard responsiveness on the shipped tiny model (ms)",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "triton": triton.__version__,
+                    "device": resolve_device(None), "loadavg_before": [round(x, 2) for x in load_before],
+                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+        "model": repr(model), "prompt_tokens": P, "n_gen": args.n_gen, "kernels": "triton",
+        "cached_config_seen_views_ms": {"median": med(cached, "update_ms"),
+                                        "max": round(max(r["update_ms"] for r in cached), 1),
+                                        "wall_median": med(cached, "wall_ms"), "n": len(cached)},
+        "cached_config_views_drawn_ms": {"median": med(drawn, "update_ms"),
+                                         "max": round(max(r["update_ms"] for r in drawn), 1),
+                                         "wall_median": med(drawn, "wall_ms"), "n": len(drawn)},
+        "token_step_ms": {"median": med(steps, "update_ms"), "max": round(max(r["update_ms"] for r in steps), 1),
+                          "n": len(steps)},
+        "first_result_ms": {name: {"total": round(r["wall_ms"], 1), "run": round(r.get("run_ms", 0.0), 1),
+                                   "redraw": round(r.get("redraw_ms", 0.0), 1)} for name, r in new_runs.items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+    print(f"{repr(model)}, {P} prompt tokens + {args.n_gen} generated, device {result['machine']['device']}, "
+          f"{os.cpu_count()} CPUs, load {load_before[0]:.1f}")
+    print(f"{'action':52s} {'total ms':>10s} {'run ms':>10s} {'redraw ms':>10s}")
+    for name, r in result["first_result_ms"].items():
+        print(f"{'new config: ' + name:52s} {r['total']:10.0f} {r['run']:10.0f} {r['redraw']:10.0f}")
+    c, d, s = result["cached_config_seen_views_ms"], result["cached_config_views_drawn_ms"], result["token_step_ms"]
+    print(f"{'cached config, seen views (median of %d)' % c['n']:52s} {c['median']:10.1f} {0:10.0f} {c['median']:10.1f}")
+    print(f"{'cached config, views drawn (median of %d)' % d['n']:52s} {d['median']:10.0f} {0:10.0f} {d['median']:10.0f}")
+    print(f"{'token step (median of %d)' % s['n']:52s} {s['median']:10.0f} {0:10.0f} {s['median']:10.0f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
