@@ -16,7 +16,7 @@ setup:
 # (llama-cpp-python, ~14 min the first time on 2 cores, then cached in ~/.cache/mamba-debug)
 setup-test: setup
 	$(PIP) install -q -r requirements-lab.txt
-	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+	@command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
 		|| echo "WARNING: could not install chromium (needs root): tests/test_browser.py will skip"
 	PYTHON=$(PYTHON) bash tests/llamacpp/build.sh
 

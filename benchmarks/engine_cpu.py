@@ -19,14 +19,12 @@ import mamba_debug as md  # noqa: E402
 from mamba_debug.compare import CompareSettings, run_compare  # noqa: E402
 from mamba_debug.sweep import run_sweep  # noqa: E402
 
-TEXT = ("It was a bright cold day in April, and the clocks were striking thirteen. The old man looked at the sea "
-        "and said that the wind would change before the night was over, and that the boats should stay in the "
-        "harbour until morning came again.")
+VAL_TEXT = Path(__file__).resolve().parent.parent / "data" / "tiny-mamba" / "val.txt"   # held-out Austen
 
 
 def main():
     model = md.load_model()
-    ids = model.encode(TEXT)[:64]
+    ids = model.encode(VAL_TEXT.read_text()[:2000])[:64]
     assert len(ids) == 64, len(ids)
     rows = []
     for kernels in ("triton", "bug_strided_gate"):
@@ -38,9 +36,9 @@ def main():
                      time.perf_counter() - t, "diverged": res.first_divergence is not None, "goal_s": 10})
     t = time.perf_counter()
     sw = run_sweep(model, ids, CompareSettings(kernels="triton", device="interpret", n_gen=16),
-                   ubatches=(1, 8, 32, 512), progress=False)
+                   ubatches=(1, 8, 32, 512), progress=False, workers=os.cpu_count() or 1)
     rows.append({"what": f"sweep offload 0..{model.config.n_layer + 1} x ubatch 1,8,32,512 ({len(sw['cells'])} runs), "
-                         f"64+16 tokens, triton", "seconds": time.perf_counter() - t,
+                         f"64+16 tokens, triton, {sw['workers']} processes", "seconds": time.perf_counter() - t,
                  "diverged": any(c["first_divergence"] for c in sw["cells"]), "goal_s": 180})
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores, torch {torch.__version__}", "model": repr(model), "rows": rows}

@@ -338,7 +338,7 @@ class _Sides:
             extra["repeat"] = self.dev2.hook.take()
         if self.local is not None:
             extra["local"] = self._local_step(chunk, vref, states_before)
-        acc.add(vdev, vref, v32, v64, extra)
+        acc.add(vdev, vref, v32, v64, extra, self.cache.setdefault("floors", {}).setdefault(u, {}))
         return lref, ldev
 
     def _ref_states(self):
@@ -410,13 +410,16 @@ class _Accumulator:
                 return False
         return True
 
-    def add(self, vdev, vref, v32, v64, extra):
+    def add(self, vdev, vref, v32, v64, extra, floors: dict):
+        """floors: this ubatch's floor per site, shared by every run over the same reference (filled if empty)."""
         T = vref[(None, "logits")][0].shape[1]
         for key, (ref, per_token) in vref.items():
             dev = vdev[key][0]
             a, b, a32, a64 = (v if per_token else v[:, None] for v in (dev, ref, v32[key][0], v64[key][0]))
-            e = site_errors(a, b)
-            f = site_errors(a32, a64)["rel_l2"]
+            e = _identical(b) if a is b or dev is ref else site_errors(a, b)   # shared host blocks: exactly 0
+            if key not in floors:
+                floors[key] = site_errors(a32, a64)["rel_l2"]
+            f = floors[key]
             if not per_token:       # a state taken at the ubatch's end belongs to its last token
                 e = {m: _at_last(v, T) for m, v in e.items()}
                 f = _at_last(f, T)
@@ -456,6 +459,11 @@ class _Accumulator:
         lr, ld = torch.cat(self.logit_ref, 1), torch.cat(self.logit_dev, 1)
         r.perplexity = {"reference": perplexity(lr[:, :P], r.tokens[:, :P]),
                         "device": perplexity(ld[:, :P], r.tokens[:, :P])}
+
+
+def _identical(ref: torch.Tensor) -> dict:
+    zeros = torch.zeros(ref.shape[0], ref.shape[1], dtype=torch.float64)
+    return {"rel_l2": zeros, "max_abs": zeros, "nmse": zeros, "cosine": torch.ones_like(zeros)}
 
 
 def _at_last(v: torch.Tensor, T: int) -> torch.Tensor:

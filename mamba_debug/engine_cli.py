@@ -108,7 +108,10 @@ def cmd_sweep(args) -> int:
     from .sweep import run_sweep  # noqa: PLC0415
     model, ids = _model_and_prompt(args)
     offloads = _int_list(args.offloads) if args.offloads else None
-    sw = run_sweep(model, ids, _settings(args), offloads, _int_list(args.ubatches), _int_list(args.n_seqs_list))
+    from .sweep import auto_workers  # noqa: PLC0415
+    workers = auto_workers(model, args.device) if args.workers is None else args.workers
+    sw = run_sweep(model, ids, _settings(args), offloads, _int_list(args.ubatches), _int_list(args.n_seqs_list),
+                   workers=workers)
     ubs = sw["ubatches"]
     for s in sw["n_seqs"]:
         print(f"first divergence (token/layer) with {s} sequence(s); rows offload, columns ubatch")
@@ -120,7 +123,7 @@ def cmd_sweep(args) -> int:
                 fd = c["first_divergence"]
                 row.append("ok" if fd is None else f"t{fd['token']}/L{'head' if fd['layer'] is None else fd['layer']}")
             print(f"{o:7d} " + "".join(f"{x:>12s}" for x in row))
-    print(f"{len(sw['cells'])} runs in {sw['seconds']:.1f} s")
+    print(f"{len(sw['cells'])} runs in {sw['seconds']:.1f} s ({sw['workers']} process(es))")
     if args.json:
         Path(args.json).write_text(json.dumps(sw, indent=1))
     return 1 if any(c["first_divergence"] for c in sw["cells"]) else 0
@@ -180,6 +183,8 @@ def add_engine_commands(sub):
     p.add_argument("--offloads", default=None, help="offload counts (default 0..n_layer+1)")
     p.add_argument("--ubatches", default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")
     p.add_argument("--n-seqs-list", default="1", help="sequence counts (default 1)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_sweep)
 

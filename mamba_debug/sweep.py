@@ -7,11 +7,14 @@ placement), and each device run starts at its boundary from the shared host bloc
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Iterable, Optional
 
 from .compare import CompareSettings, run_compare
+from .errors import MambaDebugError
 from .model import MambaModel
 from .result import to_json
 
@@ -27,23 +30,84 @@ def _cell(res) -> dict:
 
 
 def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Optional[Iterable[int]] = None,
-              ubatches: Iterable[int] = (1, 2, 8, 32), n_seqs_list: Iterable[int] = (1,), progress=True) -> dict:
-    """Matrix of first divergence (token, layer) and KLD for every (n_seqs, ubatch, offload)."""
+              ubatches: Iterable[int] = (1, 2, 8, 32), n_seqs_list: Iterable[int] = (1,), progress=True,
+              workers: int = 1) -> dict:
+    """Matrix of first divergence (token, layer) and KLD for every (n_seqs, ubatch, offload).
+
+    workers > 1 runs cells in that many processes (each reloads the model from its path and keeps its own
+    reference cache): worth it where the device side is the single-threaded Triton interpreter."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     L = model.config.n_layer
     offloads = list(range(0, L + 2)) if offloads is None else list(offloads)
     ubatches, n_seqs_list = list(ubatches), list(n_seqs_list)
     grid = [(s, u, o) for s in n_seqs_list for u in ubatches for o in offloads]
-    cache: dict = {}
-    cells, t0 = [], time.perf_counter()
-    bar = tqdm(grid, desc="sweep", disable=not progress, unit="run")
-    for s, u, o in bar:
-        bar.set_postfix_str(f"S={s} ub={u} ngl={o}")
-        settings = replace(copy.deepcopy(base), offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)
-        cells.append(_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
+    jobs = [replace(copy.deepcopy(base), offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)
+            for s, u, o in grid]
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc="sweep", disable=not progress, unit="run")
+    if workers > 1 and not _reloadable(model):
+        raise MambaDebugError("a parallel sweep reloads the model in each worker, so it needs a model loaded from a "
+                              "path (md.load_model); use workers=1 for a model built in memory")
+    if workers > 1:
+        cells = _parallel(model.source, list(prompt_ids), jobs, workers, bar)
+    else:
+        cache: dict = {}
+        cells = []
+        for settings in jobs:
+            bar.set_postfix_str(f"S={settings.n_seqs} ub={settings.ubatch} ngl={settings.offload}")
+            cells.append(_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
+            bar.update()
+    bar.close()
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
-            "cells": cells, "seconds": time.perf_counter() - t0}
+            "cells": cells, "seconds": time.perf_counter() - t0, "workers": workers}
+
+
+def auto_workers(model: MambaModel, device: Optional[str]) -> int:
+    """Processes for a sweep: the cores, when the device side is interpreted on the CPU and the model reloadable."""
+    from .backends import resolve_device  # noqa: PLC0415
+    if resolve_device(device) == "cuda" or not _reloadable(model):
+        return 1
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+def _reloadable(model: MambaModel) -> bool:
+    return bool(model.source) and Path(model.source).exists()
+
+
+_WORKER: dict = {}
+
+
+def _worker_cell(source: str, prompt_ids: list, settings: CompareSettings) -> dict:
+    """One sweep cell in a worker process; the model and the reference cache stay loaded between cells."""
+    if _WORKER.get("source") != source:
+        from .loading import load_model  # noqa: PLC0415
+        _WORKER.update(source=source, model=load_model(source), cache={})
+    return _cell(run_compare(_WORKER["model"], prompt_ids, settings, ref_cache=_WORKER["cache"]))
+
+
+def _parallel(source, prompt_ids, jobs, workers, bar) -> list:
+    import multiprocessing  # noqa: PLC0415
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+
+    # spawn, not fork: torch and Triton hold threads and state that a fork would copy half-initialised;
+    # one thread per worker, since the workers already take every core
+    ctx = multiprocessing.get_context("spawn")
+    env_before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = [pool.submit(_worker_cell, source, prompt_ids, s) for s in jobs]
+            cells = []
+            for f in futures:          # in grid order; the bar moves as they finish
+                cells.append(f.result())
+                bar.update()
+    finally:
+        if env_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_before
+    return cells
 
 
 def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:

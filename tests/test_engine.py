@@ -191,3 +191,16 @@ def test_cli_compare_exit_codes_and_outputs(tmp_path, plugin):
     assert (tmp_path / "r.html").read_text().count("data:image/png;base64") >= 3
     err = subprocess.run(base + ["--kernels", "nope"], capture_output=True, text=True, timeout=300)
     assert err.returncode == 2 and "Traceback" not in err.stderr and "no such plug-in" in err.stderr
+
+
+def test_parallel_sweep_equals_serial_sweep(tmp_path, plugin):
+    import mamba_debug as md
+    model = md.load_model(save_hf(random_model(n_layer=3), tmp_path / "m"))
+    base = CompareSettings(device="cpu", kernels=plugin(STRIDED_SILU), n_gen=2)
+    serial = run_sweep(model, PROMPT, base, ubatches=(1, 4), progress=False)
+    parallel = run_sweep(model, PROMPT, base, ubatches=(1, 4), progress=False, workers=2)
+    strip = lambda cells: [{k: v for k, v in c.items() if k != "seconds"} for c in cells]  # noqa: E731
+    assert strip(parallel["cells"]) == strip(serial["cells"])
+    assert any(c["first_divergence"] for c in serial["cells"])
+    with pytest.raises(MambaDebugError, match="needs a model loaded from a path"):
+        run_sweep(random_model(n_layer=3), PROMPT, base, ubatches=(1,), progress=False, workers=2)
