@@ -355,3 +355,40 @@ def test_replay_activations_captured_from_the_model(kern):
         for g_, r32, r64 in zip(got, ref32, ref64):
             assert nmse(g_, r32) <= NMSE_VS_FP32, op
             assert nmse(g_, r64) <= NMSE_VS_FP64, op
+
+
+def test_replay_real_activations_of_the_shipped_model(kern):
+    """The same replay on trained weights and real text: the shipped tiny model (data/tiny-mamba) reading two
+    held-out passages of its validation text together, in ubatches of 7, with every ssm_conv / ssm_scan call of
+    every layer recorded as the layer hands it over (strided views included) and run again through Triton."""
+    if DEVICE == "cuda":
+        pytest.skip("the model runs on the CPU here")
+    from pathlib import Path
+
+    import mamba_debug as md
+    from mamba_debug.backends import Backend
+    from mamba_debug.model import Runner
+    from mamba_debug.ops import OpTable, TORCH_OPS
+
+    model = md.load_model()
+    text = (Path(md.__file__).resolve().parent.parent / "data" / "tiny-mamba" / "val.txt").read_text()
+    tokens = torch.tensor([model.encode(text[:400])[:16], model.encode(text[5000:5400])[:16]])
+    calls = []
+
+    def recording(op):
+        def run(*args, **kwargs):
+            out = TORCH_OPS[op](*args, **kwargs)
+            calls.append((op, args, out))
+            return out
+        return run
+
+    table = dict(TORCH_OPS, ssm_conv=recording("ssm_conv"), ssm_scan=recording("ssm_scan"))
+    host = Backend("capture", OpTable("capture", table), torch.float32, torch.device("cpu"), "capture")
+    Runner(model, host).prefill(tokens, ubatch=7)
+    assert [op for op, _, _ in calls].count("ssm_scan") == model.config.n_layer * 3      # 7 + 7 + 2 tokens
+    for op, args, ref32 in calls:
+        got = kern[op](*args)
+        ref64 = TORCH_OPS[op](*(a.double() for a in args))
+        for g_, r32, r64 in zip(got, ref32, ref64):
+            assert nmse(g_, r32) <= NMSE_VS_FP32, op
+            assert nmse(g_, r64) <= NMSE_VS_FP64, op
