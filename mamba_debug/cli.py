@@ -14,28 +14,24 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--prompt", default=None, help="prompt text (default: a sentence for the shipped model)")
 
 
-def _positive(name):
+def _int_at_least(name, low):
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {value}")
         return value
     return parse
+
+
+def _positive(name):
+    return _int_at_least(name, 1)
 
 
 def _nonneg(name):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-    return parse
+    return _int_at_least(name, 0)
 
 
 DEFAULT_PROMPT = ("It was a fine morning in the country, and Mr. Darcy walked with Elizabeth to the house, "

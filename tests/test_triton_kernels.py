@@ -315,14 +315,10 @@ def test_replay_activations_captured_from_the_model(kern):
     layer hands over, then replayed through the Triton kernels."""
     if DEVICE == "cuda":
         pytest.skip("the model runs on the CPU here")
-    try:
-        from mamba_debug.backends import Backend
-        from mamba_debug.config import MambaConfig
-        from mamba_debug.model import MambaModel, Runner
-        from mamba_debug.ops import OpTable, TORCH_OPS
-        from mamba_debug.weights import expected_shapes
-    except ImportError as exc:
-        pytest.skip(f"model API not available: {exc}")
+    from mamba_debug.config import MambaConfig
+    from mamba_debug.model import MambaModel
+    from mamba_debug.weights import expected_shapes
+
     cfg = MambaConfig(d_model=24, n_layer=2, vocab_size=50, d_state=16, d_conv=4)
     g = torch.Generator().manual_seed(13)
     params = {k: torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5
@@ -333,6 +329,17 @@ def test_replay_activations_captured_from_the_model(kern):
         params[p + "A"] = -torch.arange(1, cfg.d_state + 1, dtype=torch.float64).repeat(cfg.d_inner, 1)
         dt0 = torch.exp(torch.rand(cfg.d_inner, generator=g, dtype=torch.float64) * 4.6 - 6.9)  # 1e-3 .. 0.1
         params[p + "dt_bias"] = dt0 + torch.log(-torch.expm1(-dt0))
+    calls = _record_conv_and_scan(MambaModel(cfg, params), torch.randint(0, cfg.vocab_size, (2, 13), generator=g), 5)
+    assert [op for op, _, _ in calls].count("ssm_scan") == cfg.n_layer * 3          # 3 ubatches x 2 layers
+    assert any(not a.is_contiguous() for _, args, _ in calls for a in args)          # real strided views
+    _replay(kern, calls)
+
+
+def _record_conv_and_scan(model, tokens, ubatch):
+    """Every ssm_conv / ssm_scan call of a float32 CPU run of `model`, with the exact arguments the layer passed."""
+    from mamba_debug.backends import Backend
+    from mamba_debug.model import Runner
+    from mamba_debug.ops import OpTable, TORCH_OPS
     calls = []
 
     def recording(op):
@@ -344,11 +351,12 @@ def test_replay_activations_captured_from_the_model(kern):
 
     table = dict(TORCH_OPS, ssm_conv=recording("ssm_conv"), ssm_scan=recording("ssm_scan"))
     host = Backend("capture", OpTable("capture", table), torch.float32, torch.device("cpu"), "capture")
-    tokens = torch.randint(0, cfg.vocab_size, (2, 13), generator=g)
-    Runner(MambaModel(cfg, params), host).prefill(tokens, ubatch=5)
+    Runner(model, host).prefill(tokens, ubatch=ubatch)
+    return calls
 
-    assert [op for op, _, _ in calls].count("ssm_scan") == cfg.n_layer * 3          # 3 ubatches x 2 layers
-    assert any(not a.is_contiguous() for _, args, _ in calls for a in args)          # real strided views
+
+def _replay(kern, calls):
+    from mamba_debug.ops import TORCH_OPS
     for op, args, ref32 in calls:
         got = kern[op](*args)
         ref64 = TORCH_OPS[op](*(a.double() for a in args))
@@ -366,29 +374,10 @@ def test_replay_real_activations_of_the_shipped_model(kern):
     from pathlib import Path
 
     import mamba_debug as md
-    from mamba_debug.backends import Backend
-    from mamba_debug.model import Runner
-    from mamba_debug.ops import OpTable, TORCH_OPS
 
     model = md.load_model()
     text = (Path(md.__file__).resolve().parent.parent / "data" / "tiny-mamba" / "val.txt").read_text()
     tokens = torch.tensor([model.encode(text[:400])[:16], model.encode(text[5000:5400])[:16]])
-    calls = []
-
-    def recording(op):
-        def run(*args, **kwargs):
-            out = TORCH_OPS[op](*args, **kwargs)
-            calls.append((op, args, out))
-            return out
-        return run
-
-    table = dict(TORCH_OPS, ssm_conv=recording("ssm_conv"), ssm_scan=recording("ssm_scan"))
-    host = Backend("capture", OpTable("capture", table), torch.float32, torch.device("cpu"), "capture")
-    Runner(model, host).prefill(tokens, ubatch=7)
+    calls = _record_conv_and_scan(model, tokens, 7)
     assert [op for op, _, _ in calls].count("ssm_scan") == model.config.n_layer * 3      # 7 + 7 + 2 tokens
-    for op, args, ref32 in calls:
-        got = kern[op](*args)
-        ref64 = TORCH_OPS[op](*(a.double() for a in args))
-        for g_, r32, r64 in zip(got, ref32, ref64):
-            assert nmse(g_, r32) <= NMSE_VS_FP32, op
-            assert nmse(g_, r64) <= NMSE_VS_FP64, op
+    _replay(kern, calls)
