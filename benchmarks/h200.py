@@ -67,7 +67,7 @@ def _pytest(path: str) -> dict:
 
 def engine_on_cuda() -> list[dict]:
     """No divergence anywhere on the offload x ubatch x S grid for the correct kernels; gallery expectations."""
-    from mamba_debug.compare import CompareSettings, run_compare
+    from mamba_debug.compare import CompareSettings
     from mamba_debug.sweep import run_sweep
     rows = []
     model = md.load_model()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from .backends import Backend, cpu_backend, cpu_threads_for, device_backend, reference_backend, resolve_device
 from .errors import MambaDebugError
 from .metrics import logit_stats, perplexity, site_errors
-from .model import LAYER_SITES, MODEL_SITES, STATE_SITES, MambaModel, Runner, check_tokens
+from .model import LAYER_SITES, MODEL_SITES, MambaModel, Runner, check_tokens
 from .placement import Placement
 
 # A site diverges when rel_l2(dev, ref) > K_FLOOR * max(floor, MIN_FLOOR), floor = rel_l2(ref32, ref64) at that
@@ -257,8 +257,8 @@ class _Sides:
         self.dev2 = Runner(model, cpu_backend(), dev_backend, placement, hook=_Capture()) if s.repeat > 1 else None
         self.local = Runner(model, cpu_backend(), dev_backend, placement, hook=_Capture()) if s.local else None
 
-    def _refside(self):
-        return (self.ref64, self.cap64) if self.s.reference in ("float64", "fp64") else (self.ref32, self.cap32)
+    def _refside(self) -> Runner:
+        return self.ref64 if self.s.reference in ("float64", "fp64") else self.ref32
 
     def run(self, tokens, res: CompareResult, progress):
         S, P = tokens.shape
@@ -320,7 +320,7 @@ class _Sides:
         return step
 
     def _step(self, u, chunk, acc: "_Accumulator"):
-        ref_runner, _ = self._refside()
+        ref_runner = self._refside()
         l32, v32, l64, v64, states_before = self._ref_step(u, chunk)
         vref = v64 if ref_runner is self.ref64 else v32
         lref = l64 if ref_runner is self.ref64 else l32
@@ -342,7 +342,7 @@ class _Sides:
         return lref, ldev
 
     def _ref_states(self):
-        r, _ = self._refside()
+        r = self._refside()
         return [(c.clone(), s.clone()) for c, s in zip(r.conv_states, r.ssm_states)]
 
     def _local_step(self, chunk, vref, states_before):

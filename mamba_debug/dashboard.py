@@ -28,7 +28,6 @@ import contextlib
 import functools
 import html
 import io
-import math
 import time
 import traceback
 from collections import OrderedDict
@@ -38,10 +37,11 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 
 from . import plots
-from .compare import CompareResult, CompareSettings, run_compare, sequence_prompts
+from .compare import CompareResult, CompareSettings, run_compare
 from .metrics import METRICS
-from .model import LAYER_SITES, MODEL_SITES, SITES, MambaModel
+from .model import MODEL_SITES, SITES, MambaModel
 from .result import verdict
+from .sweep import sweep_cell
 
 try:  # optional: ipywidgets is a notebook extra (requirements-lab.txt)
     import ipywidgets as W
@@ -127,13 +127,7 @@ class RunCache:
             self.runs.popitem(last=False)
 
     def compute(self, model: MambaModel, prompt_ids, key: RunKey, progress=None) -> CompareResult:
-        try:
-            res = run_compare(model, prompt_ids, key.settings(), progress=progress, ref_cache=self.ref)
-        except BaseException:
-            # A run that stopped half-way leaves a partial reference entry behind; later runs would read its
-            # steps and then continue from fresh (zero) reference states. Drop the shared reference side.
-            self.ref.clear()
-            raise
+        res = run_compare(model, prompt_ids, key.settings(), progress=progress, ref_cache=self.ref)
         self.put(key, res)
         return res
 
@@ -247,17 +241,6 @@ def generations_html(res: CompareResult, decode: Callable[[list], str], seq: int
             f"<tr><td style='vertical-align:top'>{row(ref_ids, 'reference')}</td>"
             f"<td style='vertical-align:top'>{row(dev_ids, 'device')}</td></tr></table>{same}"
             f"<div style='color:#888;font-size:10px'>{device}</div></div>")
-
-
-def sweep_cell(res: CompareResult) -> dict:
-    """One cell of the sweep matrix from a full run (same fields as mamba_debug.sweep's cells)."""
-    fd = res.first_divergence
-    kld = res.logits["kld"]
-    return {"offload": res.placement.offload, "ubatch": res.settings.ubatch, "n_seqs": res.settings.n_seqs,
-            "first_divergence": fd, "first_token": None if fd is None else fd["token"],
-            "first_layer": None if fd is None else fd["layer"], "kld_mean": float(kld.mean()),
-            "kld_max": float(kld.max()), "top1_agreement": float(res.logits["top1"].mean()),
-            "seconds": res.timings.get("compare_s")}
 
 
 def fig_png(fig, dpi: int = 72) -> bytes:

@@ -48,9 +48,7 @@ def _settings(args, **over):
 
 def _model_and_prompt(args):
     from .cli import DEFAULT_PROMPT  # noqa: PLC0415
-    from .loading import DEFAULT_MODEL, load_model  # noqa: PLC0415
-    if args.model is None and not (DEFAULT_MODEL / "config.json").is_file():
-        raise MambaDebugError(f"the shipped tiny model is missing from {DEFAULT_MODEL}; pass --model PATH")
+    from .loading import load_model  # noqa: PLC0415
     model = load_model(args.model)
     if model.tokenizer is not None:
         ids = model.encode(args.prompt or DEFAULT_PROMPT)

@@ -17,7 +17,7 @@ from . import ops as ops_module
 from .backends import cpu_backend, device_backend, resolve_device
 from .compare import CompareSettings, run_compare
 from .errors import MambaDebugError
-from .model import MambaModel, Runner, check_tokens
+from .model import MambaModel, Runner
 from .ops import OpTable
 from .placement import Placement
 

@@ -4,14 +4,11 @@ Each function draws into a given Axes (so a dashboard can redraw in place) and r
 """
 from __future__ import annotations
 
-import math
 
-import matplotlib
 import numpy as np
-import torch
 
 from .compare import CompareResult
-from .model import LAYER_SITES, MODEL_SITES
+from .model import MODEL_SITES
 
 DEVICE_SHADE = dict(color="tab:orange", alpha=0.12)
 

@@ -16,17 +16,18 @@ from typing import Iterable, Optional
 from .compare import CompareSettings, run_compare
 from .errors import MambaDebugError
 from .model import MambaModel
-from .result import to_json
+from .result import _num
 
 
-def _cell(res) -> dict:
-    j = to_json(res)
-    fd = j["first_divergence"]
+def sweep_cell(res) -> dict:
+    """One cell of a sweep matrix from a finished comparison (JSON-safe: inf/nan written as strings)."""
+    fd = res.first_divergence
+    kld = res.logits["kld"]
     return {"offload": res.placement.offload, "ubatch": res.settings.ubatch, "n_seqs": res.settings.n_seqs,
             "first_divergence": fd, "first_token": None if fd is None else fd["token"],
-            "first_layer": None if fd is None else fd["layer"], "kld_mean": j["logits"]["kld_mean"],
-            "kld_max": j["logits"]["kld_max"], "top1_agreement": j["logits"]["top1_agreement"],
-            "seconds": j["timings"].get("compare_s")}
+            "first_layer": None if fd is None else fd["layer"], "kld_mean": _num(kld.mean()),
+            "kld_max": _num(kld.max()), "top1_agreement": _num(res.logits["top1"].mean()),
+            "seconds": res.timings.get("compare_s")}
 
 
 def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Optional[Iterable[int]] = None,
@@ -56,7 +57,7 @@ def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Op
         cells = []
         for settings in jobs:
             bar.set_postfix_str(f"S={settings.n_seqs} ub={settings.ubatch} ngl={settings.offload}")
-            cells.append(_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
+            cells.append(sweep_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
             bar.update()
     bar.close()
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
@@ -83,7 +84,7 @@ def _worker_cell(source: str, prompt_ids: list, settings: CompareSettings) -> di
     if _WORKER.get("source") != source:
         from .loading import load_model  # noqa: PLC0415
         _WORKER.update(source=source, model=load_model(source), cache={})
-    return _cell(run_compare(_WORKER["model"], prompt_ids, settings, ref_cache=_WORKER["cache"]))
+    return sweep_cell(run_compare(_WORKER["model"], prompt_ids, settings, ref_cache=_WORKER["cache"]))
 
 
 def _parallel(source, prompt_ids, jobs, workers, bar) -> list:
@@ -125,7 +126,7 @@ def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:
         runs.append({"offload": n, "first_divergence": res.first_divergence})
         return res.first_divergence is not None
 
-    hi = L + 1 if base.rule == "llama2024" else L + 1
+    hi = L + 1                    # every block and the head on the device, under either rule
     if not diverges(hi):
         return {"bad_layer": None, "offload": None, "runs": runs,
                 "message": f"no divergence even with everything offloaded (offload {hi})"}
@@ -138,7 +139,8 @@ def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:
             lo = mid
     from .placement import Placement  # noqa: PLC0415
     p = Placement(L, hi, base.rule)
-    bad = "head" if p.n_device_layers == 0 or (base.rule == "llama2024" and hi == L + 1) else p.first_device_layer
+    newest = p.first_device_layer if p.n_device_layers > Placement(L, hi - 1, base.rule).n_device_layers else None
+    bad = "head" if newest is None else newest    # what offload hi adds over hi - 1: a block, or the head
     return {"bad_layer": bad, "offload": hi, "runs": runs,
             "message": f"offload {hi - 1} is clean, offload {hi} diverges: the first bad "
                        f"{'part is the output head' if bad == 'head' else 'layer is %d' % bad} "
