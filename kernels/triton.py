@@ -2,7 +2,9 @@
 
 The same file runs compiled on a GPU (`device="cuda"`) and, where there is none, under Triton's interpreter on
 CPU tensors (`TRITON_INTERPRET=1`, set by `mamba_debug.plugins` before it executes this file). Every pointer,
-stride and mask is therefore exercised on a laptop and in CI; only the launch sizes differ (`_launch_config`).
+stride and mask is therefore exercised on a laptop and in CI. What differs is how the work is cut (`_conv_config`,
+`scan_plan`): the scan has a GPU schedule (token steps, time chunks on a long prompt) and an interpreter schedule
+(token tiles, fewest operations), and the tests run every schedule wherever they run.
 
 Contract (DESIGN.md "Op plug-ins"); the plain-torch reference is `mamba_debug.ops`:
 
@@ -53,22 +55,6 @@ SOFTPLUS_THRESHOLD = tl.constexpr(20.0)   # as mamba_debug.ops and llama.cpp: so
 # ---------------
 # Layout is token-major, as the projections produce it: for a fixed token, the D channels are (usually)
 # adjacent, so each program owns a block of channels of one sequence and loads them in one go.
-
-@triton.jit
-def _load_window(state_base, x_base, rows, offs_d, mask,
-                 stride_state_t, stride_state_d, stride_x_t, stride_x_d,
-                 KM1: tl.constexpr):
-    """Rows `rows` x channels `offs_d` of window = concat(conv_state, x) over time, as fp32.
-
-    Window rows < K-1 come from the old conv state, the others from x (row j is token j-(K-1)). The window is
-    never materialised: that would be a copy of x per call, and it is what the op is asked to avoid."""
-    in_state = (rows < KM1)[:, None]
-    from_state = tl.load(state_base + rows[:, None] * stride_state_t + offs_d[None, :] * stride_state_d,
-                         mask=mask & in_state, other=0.0)
-    from_x = tl.load(x_base + (rows - KM1)[:, None] * stride_x_t + offs_d[None, :] * stride_x_d,
-                     mask=mask & ~in_state, other=0.0)
-    return tl.where(in_state, from_state, from_x).to(tl.float32)
-
 
 @triton.jit
 def _ssm_conv_kernel(
@@ -125,16 +111,20 @@ def _ssm_conv_kernel(
     out_ptrs = out_ptr + pid_s * stride_out_s + offs_t[:, None] * stride_out_t + offs_d[None, :] * stride_out_d
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    # New state = the last K-1 window rows, i.e. rows T .. T+K-2. When T < K-1 some of them are old state rows:
-    # _load_window takes care of that. The first token tile of each channel block writes it (once).
+    # New state = the last K-1 window rows, i.e. rows T .. T+K-2. When T < K-1 some of them are old state rows.
+    # The first token tile of each channel block writes it (once).
     if pid_t == 0:
         offs_r = tl.arange(0, BLOCK_KM1).to(tl.int64)
         mask_r = (offs_r < K - 1)[:, None] & mask_d[None, :]
-        tail = _load_window(state_base, x_base, T + offs_r, offs_d, mask_r,
-                            stride_state_t, stride_state_d, stride_x_t, stride_x_d, K - 1)
+        tail_rows = T + offs_r[:, None]
+        tail_in_state = tail_rows < K - 1
+        tail_state = tl.load(state_base + tail_rows * stride_state_t + offs_d[None, :] * stride_state_d,
+                             mask=mask_r & tail_in_state, other=0.0)
+        tail_x = tl.load(x_base + (tail_rows - (K - 1)) * stride_x_t + offs_d[None, :] * stride_x_d,
+                         mask=mask_r & ~tail_in_state, other=0.0)
         new_ptrs = (new_state_ptr + pid_s * stride_new_s
                     + offs_r[:, None] * stride_new_t + offs_d[None, :] * stride_new_d)
-        tl.store(new_ptrs, tail.to(new_state_ptr.dtype.element_ty), mask=mask_r)
+        tl.store(new_ptrs, tl.where(tail_in_state, tail_state, tail_x).to(new_state_ptr.dtype.element_ty), mask=mask_r)
 
 
 @triton.jit
@@ -150,13 +140,16 @@ def _softplus(dt):
 
 
 @triton.jit
-def _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, mask_d, mask_n):
-    """x_t, dt_t [BLOCK_D] and B_t, C_t [BLOCK_N] of one token, as fp32 (masked lanes read 0)."""
-    x_t = tl.load(x_ptrs, mask=mask_d, other=0.0).to(tl.float32)
-    dt_t = tl.load(dt_ptrs, mask=mask_d, other=0.0).to(tl.float32)
-    B_t = tl.load(B_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-    C_t = tl.load(C_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-    return x_t, dt_t, B_t, C_t
+def _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, ok, mask_d, mask_n):
+    """x, dt [BLOCK_D] and B, C [BLOCK_N] of the token the pointers point at, as fp32 (all 0 unless ok)."""
+    # tl.where, not `mask & ok`: the interpreter types block & scalar as int32
+    mask_d = tl.where(ok, mask_d, False)
+    mask_n = tl.where(ok, mask_n, False)
+    x = tl.load(x_ptrs, mask=mask_d, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptrs, mask=mask_d, other=0.0).to(tl.float32)
+    B = tl.load(B_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    C = tl.load(C_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    return x, dt, B, C
 
 
 @triton.jit
@@ -171,8 +164,10 @@ def _ssm_scan_kernel(
     y_ptr,              # y [S, T, D]
     new_state_ptr,      # new ssm state [S, D, N]
     states_out_ptr,     # every h_t [S, T, D, N]; not touched unless HAS_STATES_OUT
+    end_ptr,            # chunk summaries [S, N_CHUNKS, D, N], fp32 contiguous: the chunk's final state from h = 0
+    decay_ptr,          # ... and the product of its decays exp(delta*A); unused when N_CHUNKS == 1
     # sizes
-    T, D, N,
+    T, D, N, CHUNK_T, N_CHUNKS,
     # strides, in elements
     stride_state_s, stride_state_d, stride_state_n,
     stride_x_s, stride_x_t, stride_x_d,
@@ -184,16 +179,169 @@ def _ssm_scan_kernel(
     stride_new_s, stride_new_d, stride_new_n,
     stride_so_s, stride_so_t, stride_so_d, stride_so_n,
     # meta-parameters
+    SUMMARY: tl.constexpr,          # pass 1 of a chunked scan: write the chunk summaries, no y
+    PREFETCH: tl.constexpr,         # 0..3: tokens loaded ahead of the one computed (GPU; 0 under the interpreter)
+    CHUNKED: tl.constexpr,          # N_CHUNKS > 1
     HAS_STATES_OUT: tl.constexpr,   # write every h_t into states_out
     BLOCK_D: tl.constexpr,          # channels per program
     BLOCK_N: tl.constexpr,          # N rounded up to a power of two; padded lanes stay exactly 0
 ):
-    # One program: one sequence, BLOCK_D channels, all N states, walking the tokens in order with the state
-    # h [BLOCK_D, BLOCK_N] held in registers. B_t and C_t are loaded once per program and shared by its channels.
+    # The GPU schedule. One program: one sequence, BLOCK_D channels, all N states, one chunk of CHUNK_T tokens
+    # walked in order with the state h [BLOCK_D, BLOCK_N] in registers; B_t and C_t are loaded once per program
+    # and shared by its channels. With one chunk (N_CHUNKS == 1) this is the whole scan in one pass.
+    #
+    # Chunked over time (N_CHUNKS > 1, when S * D alone gives too few programs to fill the GPU): pass 1
+    # (SUMMARY) runs every chunk but the last from h = 0 and keeps its final state E_c and decay product P_c;
+    # pass 2 starts chunk c from h_c = P_{c-1} h_{c-1} + E_{c-1} (h_0 = the old state), the same recurrence
+    # applied chunk-wise, then walks the chunk again writing y. Each token's exp is computed twice, but the
+    # chunks run in parallel instead of one after another.
     pid_s = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
+    pid_c = tl.program_id(2)
     offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)   # 64-bit: see _ssm_conv_kernel
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_d = offs_d < D
+    mask_n = offs_n < N
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    A = tl.load(A_ptr + offs_d[:, None] * stride_A_d + offs_n[None, :] * stride_A_n,
+                mask=mask_dn, other=0.0).to(tl.float32)
+    if CHUNKED:
+        summary_offs = (pid_s * N_CHUNKS) * D * N + offs_d[:, None] * N + offs_n[None, :]
+    if SUMMARY:
+        h = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+        decay = tl.full([BLOCK_D, BLOCK_N], 1.0, dtype=tl.float32)
+    else:
+        h = tl.load(state_ptr + pid_s * stride_state_s
+                    + offs_d[:, None] * stride_state_d + offs_n[None, :] * stride_state_n,
+                    mask=mask_dn, other=0.0).to(tl.float32)
+        if CHUNKED:
+            c = 0
+            while c < pid_c:            # carry the state over the chunks before this one
+                h = (tl.load(decay_ptr + summary_offs + c * D * N, mask=mask_dn, other=0.0) * h
+                     + tl.load(end_ptr + summary_offs + c * D * N, mask=mask_dn, other=0.0))
+                c += 1
+
+    # Per-token pointers; they advance by one token stride per step (pointer arithmetic is 64-bit, so even
+    # t * stride never overflows).
+    x_ptrs = x_ptr + pid_s * stride_x_s + offs_d * stride_x_d
+    dt_ptrs = dt_ptr + pid_s * stride_dt_s + offs_d * stride_dt_d
+    B_ptrs = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n
+    C_ptrs = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n
+    y_ptrs = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d
+    if HAS_STATES_OUT:
+        so_ptrs = states_out_ptr + pid_s * stride_so_s + offs_d[:, None] * stride_so_d + offs_n[None, :] * stride_so_n
+    t = 0
+    t_end = T
+    if CHUNKED:                 # this program's tokens: [pid_c * CHUNK_T, t_end)
+        t = pid_c * CHUNK_T
+        t_end = tl.minimum(T, t + CHUNK_T)
+        x_ptrs += t * stride_x_t
+        dt_ptrs += t * stride_dt_t
+        B_ptrs += t * stride_B_t
+        C_ptrs += t * stride_C_t
+        y_ptrs += t * stride_y_t
+        if HAS_STATES_OUT:
+            so_ptrs += t * stride_so_t
+
+    # The time loop is latency-bound on a GPU: a step is short, a load is long. With PREFETCH = P > 0 the loads
+    # of token i + P are issued before the math of token i, so a step waits on memory only when P steps take less
+    # than one load (slots 0..P-1 hold the tokens in flight). Under the interpreter (P = 0) the loads are plain.
+    # It is a `while` loop: Triton 3.6's interpreter cannot take a runtime int as a range() bound under numpy >= 2.5.
+    n_tok = t_end - t
+    if PREFETCH >= 1:
+        x0, dt0, B0, C0 = _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, 0 < n_tok, mask_d, mask_n)
+    if PREFETCH >= 2:
+        x1, dt1, B1, C1 = _load_token(x_ptrs + stride_x_t, dt_ptrs + stride_dt_t, B_ptrs + stride_B_t,
+                                      C_ptrs + stride_C_t, 1 < n_tok, mask_d, mask_n)
+    if PREFETCH >= 3:
+        x2, dt2, B2, C2 = _load_token(x_ptrs + 2 * stride_x_t, dt_ptrs + 2 * stride_dt_t, B_ptrs + 2 * stride_B_t,
+                                      C_ptrs + 2 * stride_C_t, 2 < n_tok, mask_d, mask_n)
+    if PREFETCH >= 1:           # from here on the input pointers point PREFETCH tokens ahead
+        x_ptrs += PREFETCH * stride_x_t
+        dt_ptrs += PREFETCH * stride_dt_t
+        B_ptrs += PREFETCH * stride_B_t
+        C_ptrs += PREFETCH * stride_C_t
+    i = 0
+    while i < n_tok:
+        if PREFETCH == 0:
+            x_t = tl.load(x_ptrs, mask=mask_d, other=0.0).to(tl.float32)
+            dt_t = tl.load(dt_ptrs, mask=mask_d, other=0.0).to(tl.float32)
+            B_t = tl.load(B_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+            C_t = tl.load(C_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        else:
+            x_t, dt_t, B_t, C_t = x0, dt0, B0, C0
+            x_n, dt_n, B_n, C_n = _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, i + PREFETCH < n_tok, mask_d, mask_n)
+            if PREFETCH == 1:
+                x0, dt0, B0, C0 = x_n, dt_n, B_n, C_n
+            elif PREFETCH == 2:
+                x0, dt0, B0, C0 = x1, dt1, B1, C1
+                x1, dt1, B1, C1 = x_n, dt_n, B_n, C_n
+            else:
+                x0, dt0, B0, C0 = x1, dt1, B1, C1
+                x1, dt1, B1, C1 = x2, dt2, B2, C2
+                x2, dt2, B2, C2 = x_n, dt_n, B_n, C_n
+        x_ptrs += stride_x_t
+        dt_ptrs += stride_dt_t
+        B_ptrs += stride_B_t
+        C_ptrs += stride_C_t
+
+        delta = _softplus(dt_t)[:, None]                              # [BLOCK_D, 1]
+        # Same operation order as mamba_debug.ops.ssm_scan: exp(delta*A)*h + (delta*B)*x.
+        decay_t = tl.exp(delta * A)
+        h = decay_t * h + (delta * B_t[None, :]) * x_t[:, None]
+        if SUMMARY:
+            decay = decay * decay_t
+        else:
+            y_t = tl.reduce(h * C_t[None, :], 1, tl.standard._sum_combine)   # tl.sum(.., axis=1), see top
+            tl.store(y_ptrs, y_t.to(y_ptr.dtype.element_ty), mask=mask_d)
+            y_ptrs += stride_y_t
+            if HAS_STATES_OUT:
+                tl.store(so_ptrs, h.to(states_out_ptr.dtype.element_ty), mask=mask_dn)
+                so_ptrs += stride_so_t
+
+        i += 1
+
+    if SUMMARY:
+        tl.store(end_ptr + summary_offs + pid_c * D * N, h, mask=mask_dn)
+        tl.store(decay_ptr + summary_offs + pid_c * D * N, decay, mask=mask_dn)
+    elif pid_c == tl.num_programs(2) - 1:
+        tl.store(new_state_ptr + pid_s * stride_new_s
+                 + offs_d[:, None] * stride_new_d + offs_n[None, :] * stride_new_n,
+                 h.to(new_state_ptr.dtype.element_ty), mask=mask_dn)
+
+
+@triton.jit
+def _ssm_scan_tiled_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, new_state_ptr, states_out_ptr,
+    end_ptr, decay_ptr,                     # unused (same arguments as _ssm_scan_kernel)
+    T, D, N, CHUNK_T, N_CHUNKS,             # CHUNK_T, N_CHUNKS unused
+    stride_state_s, stride_state_d, stride_state_n,
+    stride_x_s, stride_x_t, stride_x_d,
+    stride_dt_s, stride_dt_t, stride_dt_d,
+    stride_A_d, stride_A_n,
+    stride_B_s, stride_B_t, stride_B_n,
+    stride_C_s, stride_C_t, stride_C_n,
+    stride_y_s, stride_y_t, stride_y_d,
+    stride_new_s, stride_new_d, stride_new_n,
+    stride_so_s, stride_so_t, stride_so_d, stride_so_n,
+    HAS_STATES_OUT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_T: tl.constexpr,           # tokens whose inputs are loaded and prepared together
+):
+    # The interpreter schedule: the same recurrence, with as few block operations per token as possible, since
+    # under TRITON_INTERPRET=1 each operation costs ~40 us of Python whatever its size. Everything that does not
+    # depend on h (loads, softplus, the decays exp(delta*A), the inputs delta*B*x, y = h.C, the stores) is done
+    # for TILE_T tokens at once; the loop over tokens keeps only h = decay_t * h + input_t, picking row t of the
+    # tiles by a masked sum (exact: the other rows add zeros). The arithmetic per element is that of
+    # _ssm_scan_kernel, so both schedules give the same bits on the CPU. On a GPU this schedule would waste
+    # TILE_T x the work on the row picks: there the launcher uses _ssm_scan_kernel.
+    pid_s = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_r = tl.arange(0, TILE_T).to(tl.int64)
+    rows3 = offs_r[:, None, None]
     mask_d = offs_d < D
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
@@ -204,42 +352,39 @@ def _ssm_scan_kernel(
     A = tl.load(A_ptr + offs_d[:, None] * stride_A_d + offs_n[None, :] * stride_A_n,
                 mask=mask_dn, other=0.0).to(tl.float32)
 
-    # Per-token pointers; they advance by one token stride per step (pointer arithmetic is 64-bit, so even
-    # t * stride never overflows).
-    x_ptrs = x_ptr + pid_s * stride_x_s + offs_d * stride_x_d
-    dt_ptrs = dt_ptr + pid_s * stride_dt_s + offs_d * stride_dt_d
-    B_ptrs = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n
-    C_ptrs = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n
-    y_ptrs = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d
-    so_ptrs = states_out_ptr + pid_s * stride_so_s + offs_d[:, None] * stride_so_d + offs_n[None, :] * stride_so_n
-
-    # The time loop is latency-bound (each step waits on the previous h), so the loads of token t+1 are issued
-    # before the math of token t and overlap it. It is a `while` loop: Triton 3.6's interpreter cannot take a
-    # runtime int as a range() bound under numpy >= 2.5.
-    x_t, dt_t, B_t, C_t = _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, mask_d, mask_n)
-    t = 0
-    while t < T:
-        x_ptrs += stride_x_t
-        dt_ptrs += stride_dt_t
-        B_ptrs += stride_B_t
-        C_ptrs += stride_C_t
-        # Token t+1 exists? (tl.where rather than `mask & more`: the interpreter types scalar & block as int32.)
-        more = t + 1 < T
-        x_n, dt_n, B_n, C_n = _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs,
-                                          tl.where(more, mask_d, False), tl.where(more, mask_n, False))
-
-        delta = _softplus(dt_t)[:, None]                              # [BLOCK_D, 1]
-        # Same operation order as mamba_debug.ops.ssm_scan: exp(delta*A)*h + (delta*B)*x.
-        h = tl.exp(delta * A) * h + (delta * B_t[None, :]) * x_t[:, None]
-        y_t = tl.reduce(h * C_t[None, :], 1, tl.standard._sum_combine)   # tl.sum(.., axis=1), see top
-        tl.store(y_ptrs, y_t.to(y_ptr.dtype.element_ty), mask=mask_d)
-        y_ptrs += stride_y_t
+    t0 = 0
+    while t0 < T:
+        rows = t0 + offs_r
+        mask_td = (rows < T)[:, None] & mask_d[None, :]
+        mask_tn = (rows < T)[:, None] & mask_n[None, :]
+        x = tl.load(x_ptr + pid_s * stride_x_s + rows[:, None] * stride_x_t + offs_d[None, :] * stride_x_d,
+                    mask=mask_td, other=0.0).to(tl.float32)                              # [TILE_T, BLOCK_D]
+        dt = tl.load(dt_ptr + pid_s * stride_dt_s + rows[:, None] * stride_dt_t + offs_d[None, :] * stride_dt_d,
+                     mask=mask_td, other=0.0).to(tl.float32)
+        Bt = tl.load(B_ptr + pid_s * stride_B_s + rows[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
+                     mask=mask_tn, other=0.0).to(tl.float32)                             # [TILE_T, BLOCK_N]
+        Ct = tl.load(C_ptr + pid_s * stride_C_s + rows[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
+                     mask=mask_tn, other=0.0).to(tl.float32)
+        delta = _softplus(dt)[:, :, None]                                                # [TILE_T, BLOCK_D, 1]
+        decays = tl.exp(delta * A[None, :, :])                                           # [TILE_T, BLOCK_D, BLOCK_N]
+        inputs = (delta * Bt[:, None, :]) * x[:, :, None]
+        hs = tl.zeros([TILE_T, BLOCK_D, BLOCK_N], dtype=tl.float32)                      # every h_t of the tile
+        j = 0
+        j_end = tl.minimum(T - t0, TILE_T)      # rows past T are padding: never applied to h
+        while j < j_end:
+            pick = rows3 == j
+            h = (tl.reduce(tl.where(pick, decays, 0.0), 0, tl.standard._sum_combine) * h
+                 + tl.reduce(tl.where(pick, inputs, 0.0), 0, tl.standard._sum_combine))
+            hs = tl.where(pick, h[None, :, :], hs)
+            j += 1
+        y = tl.reduce(hs * Ct[:, None, :], 2, tl.standard._sum_combine)                 # [TILE_T, BLOCK_D]
+        tl.store(y_ptr + pid_s * stride_y_s + rows[:, None] * stride_y_t + offs_d[None, :] * stride_y_d,
+                 y.to(y_ptr.dtype.element_ty), mask=mask_td)
         if HAS_STATES_OUT:
-            tl.store(so_ptrs, h.to(states_out_ptr.dtype.element_ty), mask=mask_dn)
-            so_ptrs += stride_so_t
-
-        x_t, dt_t, B_t, C_t = x_n, dt_n, B_n, C_n
-        t += 1
+            tl.store(states_out_ptr + pid_s * stride_so_s + rows[:, None, None] * stride_so_t
+                     + offs_d[None, :, None] * stride_so_d + offs_n[None, None, :] * stride_so_n,
+                     hs.to(states_out_ptr.dtype.element_ty), mask=mask_td[:, :, None] & mask_n[None, None, :])
+        t0 += TILE_T
 
     tl.store(new_state_ptr + pid_s * stride_new_s
              + offs_d[:, None] * stride_new_d + offs_n[None, :] * stride_new_n,
@@ -250,37 +395,61 @@ def _ssm_scan_kernel(
 # Launch parameters
 # -----------------
 # The one place that differs between the GPU and the interpreter. Block sizes change speed, not the arithmetic:
-# every output element is the same sum in the same order whatever the blocks are. (Compiled, the scan's sum over
-# N may be split across threads differently for other blocks or strides: a rounding difference, no more.)
+# every output element is the same sum in the same order whatever the blocks are. Two exceptions, both rounding
+# only: compiled, the scan's sum over N may be split across threads differently for other blocks or strides; and
+# a scan cut into time chunks carries the state chunk to chunk (P h + E) instead of token to token.
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_config(op: str, S: int, T: int, D: int, N: int = 1, device=None) -> dict:
-    """Block sizes and warps for `op` ("ssm_conv" or "ssm_scan") on an [S, T, D] input with N states.
+def _conv_config(S: int, T: int, D: int, device=None) -> dict:
+    """Block sizes and warps of ssm_conv on an [S, T, D] input.
 
     Interpreter: each program instance costs a large fixed Python overhead (a 64-token scan at D=512 took
-    2.2 s with 64-channel blocks, 0.3 s with one 512-channel block), so use as few programs as possible.
-    GPU: small channel blocks so that S * D / BLOCK_D programs keep every SM busy even at batch 1."""
+    2.2 s with 64-channel blocks, 0.3 s with one 512-channel block), so use as few programs as possible."""
     if INTERPRET:
         block_d = min(triton.next_power_of_2(D), 1024)
-        block_t = min(triton.next_power_of_2(T), max(1, 2 ** 16 // block_d))   # conv tiles up to 64K elements
+        block_t = min(triton.next_power_of_2(T), max(1, 2 ** 16 // block_d))   # tiles up to 64K elements
         return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=1)
-    if op == "ssm_conv":
-        # 128 channels x up to 16 tokens x the K taps: 512-byte coalesced rows, and programs along T for long
-        # prompts (the K taps are a block dimension too, so 16 tokens keep as many values live as 32 did before).
-        block_d, block_t = 128, min(triton.next_power_of_2(T), 16)
-    else:
-        # The scan is sequential in T, so parallelism comes from S x D only: the largest channel block that
-        # still gives about two programs per SM (the reference decode kernel uses 32).
-        sms = _sm_count(device.index if device is not None and device.index is not None else 0)
+    # Long prompts: 64 channels x 32 tokens x the K taps, 4 warps, the best of 108 plans on an H200 (26.0 us at
+    # d_inner 5120, L 2048, batch 1; benchmarks/results/h200_tuning_run1.json). Short ubatches and decode keep
+    # 128-channel rows (1.6 us per decode step at batch 1).
+    block_d, block_t = (64, 32) if T >= 32 else (128, triton.next_power_of_2(T))
+    return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=max(1, min(4, block_d * block_t * 4 // 512)))
+
+
+# A chunk of the GPU scan is never shorter than this many tokens: shorter chunks add carry work (and a second
+# exp per token) for parallelism that is already there.
+MIN_CHUNK_T = 64
+
+
+def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
+    """How ssm_scan runs an [S, T, D] x N problem: the schedule, its blocks and, on a GPU, the time chunks.
+
+    Interpreter: the tiled schedule, one program for up to 1024 channels, up to 16 tokens prepared at once.
+    GPU: the step schedule with small channel blocks; when S * D / BLOCK_D programs cannot fill the SMs a few
+    times over (a long prompt at batch 1), the prompt is also cut into chunks that run in parallel."""
+    block_n = triton.next_power_of_2(N)
+    if INTERPRET:
+        # one token (decode, ubatch 1): the step schedule has fewer operations than preparing a tile
+        return dict(schedule="tiled" if T > 1 else "steps", BLOCK_D=min(triton.next_power_of_2(D), 1024),
+                    n_chunks=1, TILE_T=min(triton.next_power_of_2(T), 16), PREFETCH=0, num_warps=1)
+    sms = _sm_count(device.index if device is not None and device.index is not None else 0)
+    if T < 2 * MIN_CHUNK_T:
+        # decode and short ubatches: one pass; the largest channel block that still gives about two programs per
+        # SM (1.8 us per decode step at batch 1, 11.5 us at batch 64)
         block_d = next((b for b in (64, 32) if S * triton.cdiv(D, b) >= 2 * sms), 16)
-        block_t = 1
-    elements = block_d * block_t * N
-    num_warps = max(1, min(8, elements // 512))   # about 4-16 fp32 values per thread
-    return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=num_warps)
+        return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, PREFETCH=1,
+                    num_warps=max(1, min(8, block_d * block_n // 512)))
+    # Long prompts (benchmarks/results/h200_tuning_run{2,3}.json: 60-80 plans per shape on an H200): 32-channel
+    # programs of one warp, two tokens loaded ahead. Many sequences fill the GPU on their own (1264 us at d_inner
+    # 5120, L 2048, batch 8); a few also cut time into chunks, about 20 programs per SM in all (243 us at batch 1,
+    # against 976 us in one pass; 99 us at d_inner 1536).
+    programs = S * triton.cdiv(D, 32)
+    n_chunks = 1 if programs >= 8 * sms else min(T // MIN_CHUNK_T, triton.cdiv(20 * sms, programs))
+    return dict(schedule="steps", BLOCK_D=32, n_chunks=n_chunks, PREFETCH=2, num_warps=1)
 
 
 # %%
@@ -308,8 +477,10 @@ def _check_device(op: str, **tensors):
                              f"tensors, but {k} is on {v.device}; load the plug-in for the matching device")
 
 
-def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
-    """Causal depthwise convolution of one ubatch; see the module docstring for shapes."""
+def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, config: dict | None = None):
+    """Causal depthwise convolution of one ubatch; see the module docstring for shapes.
+
+    config: block sizes and warps (see `_conv_config`, the default); benchmarks pass one to try others."""
     S, T, D = x.shape
     K = weight.shape[1]
     _check("ssm_conv", weight.dim() == 2 and weight.shape[0] == D and K >= 2, "weight must be [D, K] with K >= 2",
@@ -323,7 +494,7 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     if T == 0:                       # nothing to convolve; the state is unchanged
         new_state.copy_(conv_state)
         return out, new_state
-    cfg = _launch_config("ssm_conv", S, T, D, device=x.device)
+    cfg = dict(config) if config is not None else _conv_config(S, T, D, device=x.device)
     grid = (S, triton.cdiv(D, cfg["BLOCK_D"]), triton.cdiv(T, cfg["BLOCK_T"]))
     _ssm_conv_kernel[grid](
         conv_state, x, weight, out, new_state,
@@ -336,8 +507,10 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
 
 
 def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-             B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None):
-    """Selective scan of one ubatch; see the module docstring for shapes."""
+             B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None, plan: dict | None = None):
+    """Selective scan of one ubatch; see the module docstring for shapes.
+
+    plan: how to run it (see `scan_plan`, the default); tests and benchmarks pass one to force a schedule."""
     S, T, D = x.shape
     N = A.shape[-1]
     _check("ssm_scan", A.dim() == 2 and A.shape[0] == D, "A must be [D, N]", x=x, A=A)
@@ -357,19 +530,29 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     if T == 0:
         new_state.copy_(ssm_state)
         return y, new_state
-    cfg = _launch_config("ssm_scan", S, T, D, triton.next_power_of_2(N), device=x.device)
+    plan = dict(plan) if plan is not None else scan_plan(S, T, D, N, device=x.device)
     has_states_out = states_out is not None
-    # Without states_out the kernel still needs a pointer argument; it is never dereferenced.
+    # Without states_out (or chunks) the kernel still needs pointer arguments; they are never dereferenced.
     so, so_strides = (states_out, states_out.stride()) if has_states_out else (new_state, (0, 0, 0, 0))
-    grid = (S, triton.cdiv(D, cfg["BLOCK_D"]))
-    _ssm_scan_kernel[grid](
-        ssm_state, x, dt, A, B, C, y, new_state, so,
-        T, D, N,
-        *ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
-        *y.stride(), *new_state.stride(), *so_strides,
-        HAS_STATES_OUT=has_states_out, BLOCK_D=cfg["BLOCK_D"], BLOCK_N=triton.next_power_of_2(N),
-        num_warps=cfg["num_warps"],
-    )
+    n_chunks = plan["n_chunks"] if plan["schedule"] == "steps" else 1
+    chunk_t = triton.cdiv(T, n_chunks)
+    n_chunks = triton.cdiv(T, chunk_t)          # no empty chunk at the end
+    summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=x.device) if n_chunks > 1
+                 else new_state.new_empty((2, 1)))
+    args = (ssm_state, x, dt, A, B, C, y, new_state, so, summaries[0], summaries[1],
+            T, D, N, chunk_t, n_chunks,
+            *ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
+            *y.stride(), *new_state.stride(), *so_strides)
+    meta = dict(HAS_STATES_OUT=has_states_out, BLOCK_D=plan["BLOCK_D"], BLOCK_N=triton.next_power_of_2(N),
+                num_warps=plan["num_warps"])
+    n_blocks = triton.cdiv(D, plan["BLOCK_D"])
+    if plan["schedule"] == "tiled":
+        _ssm_scan_tiled_kernel[(S, n_blocks)](*args, TILE_T=plan["TILE_T"], **meta)
+        return y, new_state
+    meta.update(PREFETCH=int(plan.get("PREFETCH", 1)), CHUNKED=n_chunks > 1)
+    if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0
+        _ssm_scan_kernel[(S, n_blocks, n_chunks - 1)](*args, SUMMARY=True, **meta)
+    _ssm_scan_kernel[(S, n_blocks, n_chunks)](*args, SUMMARY=False, **meta)
     return y, new_state
 
 

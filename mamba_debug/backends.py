@@ -2,6 +2,8 @@
 
 - `reference`: float64 torch ops on the CPU with the sequential scan: the ground truth.
 - `cpu`: float32 torch ops on the CPU: what a CPU port (llama.cpp's CPU back-end) computes.
+  Both can run their (plain torch) ops on a GPU instead (`resolve_ref_device`, the compare setting
+  `ref_device="cuda"`): the same ops and dtypes, only faster for big models; no Triton kernel is involved.
 - `device`: float32 on the device, torch ops overridden by a kernel plug-in (default `triton`).
   device="cuda" compiles Triton for the GPU; device="interpret" runs the same Triton kernels under
   Triton's interpreter on CPU tensors; device="cpu" runs them on CPU tensors too (no GPU involved),
@@ -20,6 +22,7 @@ from .ops import OpTable, TORCH_OPS
 from .plugins import load_plugin
 
 DEVICES = ("cuda", "interpret", "cpu")
+REF_DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -35,14 +38,21 @@ class Backend:
         return (str(self.device), self.dtype)
 
 
-def reference_backend() -> Backend:
-    return Backend("reference", OpTable("reference", TORCH_OPS), torch.float64, torch.device("cpu"),
-                   "reference: float64 torch ops on the CPU, sequential scan")
+def reference_backend(device: str | torch.device = "cpu") -> Backend:
+    device = torch.device(device)
+    return Backend("reference", OpTable("reference", TORCH_OPS), torch.float64, device,
+                   f"reference: float64 torch ops on the {_where(device)}, sequential scan")
 
 
-def cpu_backend() -> Backend:
-    return Backend("cpu", OpTable("cpu", TORCH_OPS), torch.float32, torch.device("cpu"),
-                   "cpu: float32 torch ops on the CPU")
+def cpu_backend(device: str | torch.device = "cpu") -> Backend:
+    """float32 torch ops; on device="cuda" the same plain ops on the GPU (a reference side there, not a kernel)."""
+    device = torch.device(device)
+    return Backend("cpu", OpTable("cpu", TORCH_OPS), torch.float32, device,
+                   f"cpu: float32 torch ops on the {_where(device)}")
+
+
+def _where(device: torch.device) -> str:
+    return "CPU" if device.type == "cpu" else f"GPU ({device})"
 
 
 def host_backend(precision: str = "float32") -> Backend:
@@ -63,6 +73,16 @@ def resolve_device(device: str | None) -> str:
         raise MambaDebugError("device 'cuda' was asked for but torch sees no GPU; use --device interpret to run "
                               "the same Triton kernels under Triton's interpreter on the CPU")
     return device
+
+
+def resolve_ref_device(name: str) -> torch.device:
+    """Where the reference sides' torch ops run: 'cpu' (the default) or 'cuda'. No silent fallback either."""
+    if name not in REF_DEVICES:
+        raise MambaDebugError(f"unknown reference device {name!r}: choose cpu (the default) or cuda (the reference "
+                              f"sides' plain torch ops on the GPU)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MambaDebugError("reference device 'cuda' was asked for but torch sees no GPU; use --ref-device cpu")
+    return torch.device(name)
 
 
 def device_backend(kernels: str | None = "triton", device: str | None = None) -> Backend:

@@ -9,6 +9,12 @@ when its error exceeds K_FLOOR times its floor (see `thresholds`).
 
 Blocks below the boundary run the same float32 CPU back-end on both sides, so the device side does not
 recompute them: it starts at the boundary from ref32's hidden state (they would be bit-identical).
+
+`ref_device="cuda"` runs ref32, ref64 and the host blocks with the same plain torch ops on the GPU (for big
+models, where the CPU would take minutes per comparison). Their tensors then stay on the GPU, the metrics are
+computed there, and only the metrics (and the kept trace, per the capture policy) come to the host.
+Memory: every site of every layer of one ubatch is held for the three runners until its metrics are taken
+(`ubatch_capture_bytes`), so the ubatch size bounds it.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from .backends import Backend, cpu_backend, cpu_threads_for, device_backend, reference_backend, resolve_device
+from .backends import (Backend, cpu_backend, cpu_threads_for, device_backend, reference_backend, resolve_device,
+                       resolve_ref_device)
 from .errors import MambaDebugError
 from .metrics import logit_stats, perplexity, site_errors
 from .model import LAYER_SITES, MODEL_SITES, MambaModel, Runner, check_tokens
@@ -45,7 +52,8 @@ class CompareSettings:
     n_gen: int = 16
     kernels: str = "triton"
     device: Optional[str] = None         # None/auto: cuda if a GPU exists, else the Triton interpreter
-    reference: str = "float32"           # the reference side: float32 or float64 (CPU)
+    reference: str = "float32"           # the reference side: float32 or float64
+    ref_device: str = "cpu"              # where ref32/ref64 (and the host blocks) run their torch ops: cpu | cuda
     rule: str = "llama2024"
     capture: str = "all"                 # all | sites (capture_layers/capture_sites) | metrics (no tensors kept)
     capture_layers: Optional[list] = None
@@ -63,6 +71,7 @@ class CompareSettings:
             raise MambaDebugError(f"n_seqs must be an integer >= 1, got {self.n_seqs!r}")
         if not isinstance(self.n_gen, int) or self.n_gen < 0:
             raise MambaDebugError(f"n_gen must be an integer >= 0, got {self.n_gen!r}")
+        resolve_ref_device(self.ref_device)
         if self.capture not in CAPTURE_POLICIES:
             raise MambaDebugError(f"capture policy {self.capture!r} unknown: choose one of {CAPTURE_POLICIES}")
         from .model import SITES  # noqa: PLC0415
@@ -89,15 +98,37 @@ def sequence_prompts(ids: list[int], n_seqs: int, vocab_size: int) -> torch.Tens
 
 
 class _Capture:
-    """The hook of one runner: keeps this ubatch's site values (on the CPU), keyed (layer, site)."""
+    """The hook of one runner: keeps this ubatch's site values, keyed (layer, site).
 
-    def __init__(self):
+    to_host=True (reference on the CPU): every value is copied to the CPU. A CUDA value goes into pinned host
+    memory with a non-blocking copy, so the GPU is not stalled at each of the ~15 sites per layer, and `take()`
+    waits once per ubatch for all of them (a pageable `.to("cpu")` syncs and stages every tensor). The pinned
+    blocks come from torch's caching host allocator: from the second ubatch on the same sizes are reused.
+    to_host=False (reference on the GPU): values stay on their device; only metrics go to the host later.
+    Either way the value is a copy, as an op may later write into a tensor it was handed (a state) in place.
+    """
+
+    def __init__(self, to_host: bool = True):
+        self.to_host = to_host
         self.values: dict[tuple, tuple[torch.Tensor, bool]] = {}
+        self.pending = False       # non-blocking copies issued since the last take()
 
     def __call__(self, layer, site, value, per_token):
-        self.values[(layer, site)] = (value.detach().to("cpu", copy=True), per_token)
+        value = value.detach()
+        if self.to_host and value.is_cuda:
+            copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            copy.copy_(value, non_blocking=True)
+            self.pending = True
+        elif self.to_host:
+            copy = value.to("cpu", copy=True)
+        else:
+            copy = value.clone()
+        self.values[(layer, site)] = (copy, per_token)
 
     def take(self):
+        if self.pending:           # the one wait of this ubatch: every copy above has landed after it
+            torch.cuda.synchronize()
+            self.pending = False
         values, self.values = self.values, {}
         return values
 
@@ -201,10 +232,11 @@ def run_compare(model: MambaModel, prompt_ids, settings: Optional[CompareSetting
     placement = Placement(cfg.n_layer, offload, s.rule)
     tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     _check_budget(model, s, tokens.shape[1] + s.n_gen)
+    ref_device = resolve_ref_device(s.ref_device)
     device = resolve_device(s.device)
     dev_backend = device_backend(s.kernels, device)
     t0 = time.perf_counter()
-    sides = _Sides(model, placement, dev_backend, s, _cache_for(ref_cache, model, tokens, s))
+    sides = _Sides(model, placement, dev_backend, s, ref_device, _cache_for(ref_cache, model, tokens, s))
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict()}, placement=placement,
                         device_label=dev_backend.label, tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
     with cpu_threads_for(cfg):
@@ -220,8 +252,17 @@ def _cache_for(ref_cache, model, tokens, s: CompareSettings):
     """The part of a shared reference cache for this prompt, ubatch, n_gen and local mode."""
     if ref_cache is None:
         return None
-    key = (id(model), tuple(map(tuple, tokens.tolist())), s.ubatch, s.n_gen, s.local, s.reference)
+    key = (id(model), tuple(map(tuple, tokens.tolist())), s.ubatch, s.n_gen, s.local, s.reference, s.ref_device)
     return ref_cache.setdefault(key, {})
+
+
+def ubatch_capture_bytes(cfg, ubatch: int, n_seqs: int = 1) -> int:
+    """Bytes of one ubatch of captured sites for the three runners (device and ref32 float32, ref64 float64): every
+    layer site, the per-token SSM states included, and the head. They are held until the ubatch's metrics are taken,
+    so with capture='metrics' this, not the prompt length, is what a comparison's working memory grows with."""
+    E, D, N, K, L = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.d_conv, cfg.n_layer
+    per_token = L * (3 * E + 9 * D + 2 * N + D * N) + E + cfg.vocab_size   # see the site list in model.py
+    return n_seqs * (ubatch * per_token + L * (K - 1) * D) * (4 + 4 + 8)
 
 
 def _check_budget(model: MambaModel, s: CompareSettings, n_tok: int):
@@ -242,20 +283,23 @@ def _check_budget(model: MambaModel, s: CompareSettings, n_tok: int):
 class _Sides:
     """The runners of one comparison and the lock-step loop over ubatches."""
 
-    def __init__(self, model, placement: Placement, dev_backend: Backend, s: CompareSettings, cache=None):
+    def __init__(self, model, placement: Placement, dev_backend: Backend, s: CompareSettings,
+                 ref_device: torch.device, cache=None):
         self.model, self.placement, self.s = model, placement, s
         # A shared reference cache is read only once a run completed it and written only when this run
         # completes: an interrupted run must not leave half a reference behind for the next one.
         self.shared = cache
         self.cache = cache if cache is not None and cache.get("complete") else {"steps": []}
-        self.cap32, self.cap64, self.capdev = _Capture(), _Capture(), _Capture()
-        self.ref32 = Runner(model, cpu_backend(), hook=self.cap32)
-        self.ref64 = Runner(model, reference_backend(), hook=self.cap64)
+        capture = lambda: _Capture(to_host=s.ref_device == "cpu")  # noqa: E731
+        self.cap32, self.cap64, self.capdev = capture(), capture(), capture()
+        host = cpu_backend(ref_device)       # ref32, and the host blocks of the device side (shared with ref32)
+        self.ref32 = Runner(model, host, hook=self.cap32)
+        self.ref64 = Runner(model, reference_backend(ref_device), hook=self.cap64)
         self.has_device = placement.n_device_layers > 0 or placement.head_on_device
-        self.dev = Runner(model, cpu_backend(), dev_backend, placement, hook=self.capdev)
+        self.dev = Runner(model, host, dev_backend, placement, hook=self.capdev)
         self.start = min(placement.first_device_layer, model.config.n_layer)
-        self.dev2 = Runner(model, cpu_backend(), dev_backend, placement, hook=_Capture()) if s.repeat > 1 else None
-        self.local = Runner(model, cpu_backend(), dev_backend, placement, hook=_Capture()) if s.local else None
+        self.dev2 = Runner(model, host, dev_backend, placement, hook=capture()) if s.repeat > 1 else None
+        self.local = Runner(model, host, dev_backend, placement, hook=capture()) if s.local else None
 
     def _refside(self) -> Runner:
         return self.ref64 if self.s.reference in ("float64", "fp64") else self.ref32
@@ -276,7 +320,7 @@ class _Sides:
             ref_logits, dev_logits = self._step(u, chunk, acc)
             fed.append(chunk)
             pos += T
-            nxt = ref_logits[:, -1].argmax(-1)
+            nxt = ref_logits[:, -1].argmax(-1).cpu()      # the schedule's tokens stay on the CPU
             g = u - (len(schedule) - 1)          # index of the generated token chosen after this ubatch
             if 0 <= g < self.s.n_gen and self.fork is None and self.s.free_run:
                 self._maybe_fork(u, g, nxt, dev_logits[:, -1].argmax(-1).cpu())
@@ -311,7 +355,8 @@ class _Sides:
         l64 = self.ref64.forward(chunk)
         v64 = self.cap64.take()
         step = (l32, v32, l64, v64, states_before)
-        self.cache["steps"].append(step)
+        if self.shared is not None:      # kept for the sweep's next runs only: it holds every captured value
+            self.cache["steps"].append(step)
         # ref32's states after this ubatch: the host blocks' states, should the device side fork off here
         # (kept only from the last prompt ubatch on, where generated tokens are chosen)
         self.cache.setdefault("host_states", []).append(
@@ -347,7 +392,8 @@ class _Sides:
 
     def _local_step(self, chunk, vref, states_before):
         """Every device block gets the reference's input and states: its own (local) error, nothing inherited."""
-        emb = self.model.weights(self.local.host)["embed"][chunk]
+        embed = self.model.weights(self.local.host)["embed"]
+        emb = embed[chunk.to(embed.device)]
 
         def feed(i, h, conv, ssm):
             if not self.placement.on_device(i):
@@ -391,7 +437,10 @@ def _first_diff(a, b):
 
 
 class _Accumulator:
-    """Turns each ubatch's captured values into metrics (and kept tensors, per the capture policy)."""
+    """Turns each ubatch's captured values into metrics (and kept tensors, per the capture policy).
+
+    Metrics stay where the reference's tensors are until `finish` (one transfer per site on a GPU, not one per
+    ubatch and site); kept tensors go to the CPU as they come, since the trace is a host-side artefact."""
 
     def __init__(self, res: CompareResult, s: CompareSettings):
         self.res, self.s = res, s
@@ -427,7 +476,7 @@ class _Accumulator:
             self.floor.setdefault(key, []).append(f)
             if self._keep(*key):
                 for side, val in (("ref", ref), ("dev", dev)):
-                    self.kept.setdefault((side,) + key, []).append(val if per_token else val[:, None])
+                    self.kept.setdefault((side,) + key, []).append((val if per_token else val[:, None]).cpu())
                 toks = list(range(self.tok0, self.tok0 + T)) if per_token else [self.tok0 + T - 1]
                 self.res.trace_tokens.setdefault(key, []).extend(toks)
         self.logit.append(logit_stats(vdev[(None, "logits")][0], vref[(None, "logits")][0]))
@@ -449,11 +498,11 @@ class _Accumulator:
 
     def finish(self):
         r = self.res
-        r.errors = {k: {m: torch.cat([c[m] for c in chunks], 1) for m in chunks[0]} for k, chunks in self.err.items()}
-        r.floor = {k: torch.cat(v, 1) for k, v in self.floor.items()}
-        r.logits = {m: torch.cat([c[m] for c in self.logit], 1) for m in self.logit[0]}
+        r.errors = {k: {m: _cat_cpu([c[m] for c in chunks]) for m in chunks[0]} for k, chunks in self.err.items()}
+        r.floor = {k: _cat_cpu(v) for k, v in self.floor.items()}
+        r.logits = {m: _cat_cpu([c[m] for c in self.logit]) for m in self.logit[0]}
         r.trace = {k: torch.cat(v, 1) for k, v in self.kept.items()}
-        r.local = {k: torch.cat(v, 1) for k, v in self.local.items()}
+        r.local = {k: _cat_cpu(v) for k, v in self.local.items()}
         r.nondeterminism = self.repeat_max
         P = r.n_prompt
         lr, ld = torch.cat(self.logit_ref, 1), torch.cat(self.logit_dev, 1)
@@ -461,13 +510,18 @@ class _Accumulator:
                         "device": perplexity(ld[:, :P], r.tokens[:, :P])}
 
 
+def _cat_cpu(chunks: list) -> torch.Tensor:
+    """[S, t] metric chunks of the ubatches, on the reference's device -> one [S, n_tok] CPU tensor."""
+    return torch.cat(chunks, 1).cpu()
+
+
 def _identical(ref: torch.Tensor) -> dict:
-    zeros = torch.zeros(ref.shape[0], ref.shape[1], dtype=torch.float64)
+    zeros = torch.zeros(ref.shape[0], ref.shape[1], dtype=torch.float64, device=ref.device)
     return {"rel_l2": zeros, "max_abs": zeros, "nmse": zeros, "cosine": torch.ones_like(zeros)}
 
 
 def _at_last(v: torch.Tensor, T: int) -> torch.Tensor:
     """[S, 1] -> [S, T] with NaN everywhere but the last token."""
-    out = torch.full((v.shape[0], T), math.nan, dtype=torch.float64)
+    out = torch.full((v.shape[0], T), math.nan, dtype=torch.float64, device=v.device)
     out[:, -1] = v[:, 0]
     return out

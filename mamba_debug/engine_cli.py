@@ -32,6 +32,8 @@ def _add_run_args(p: argparse.ArgumentParser, offload=True):
     p.add_argument("--kernels", default="triton", help="plug-in name in kernels/ or a .py path (torch: plain ops)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "interpret", "cpu"])
     p.add_argument("--reference", default="float32", choices=["float32", "float64"], help="reference side precision")
+    p.add_argument("--ref-device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the reference sides run their plain torch ops (cuda: for big models; default cpu)")
     p.add_argument("--rule", default="llama2024", choices=["llama2024", "llama2025"], help="-ngl placement rule")
     p.add_argument("--k-floor", type=float, default=10.0, help="flag errors beyond k x the rounding floor")
 
@@ -40,7 +42,7 @@ def _settings(args, **over):
     from .compare import CompareSettings  # noqa: PLC0415
     s = CompareSettings(offload=getattr(args, "offload", None), ubatch=args.ubatch, n_seqs=args.n_seqs,
                         n_gen=args.n_gen, kernels=args.kernels, device=args.device, reference=args.reference,
-                        rule=args.rule, k_floor=args.k_floor)
+                        ref_device=args.ref_device, rule=args.rule, k_floor=args.k_floor)
     for k, v in over.items():
         setattr(s, k, v)
     return s

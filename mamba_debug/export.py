@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import ops as ops_module
-from .backends import cpu_backend, device_backend, resolve_device
+from .backends import cpu_backend, device_backend, resolve_device, resolve_ref_device
 from .compare import CompareSettings, run_compare
 from .errors import MambaDebugError
 from .model import MambaModel, Runner
@@ -73,8 +73,8 @@ def export_case(model: MambaModel, prompt_ids, settings: CompareSettings, out_di
     holder = [None]
     rec = _Recorder(holder, layer, fd["ubatch"], set(overridden))
     dev.ops = OpTable(dev.ops.name, {k: rec.wrap(k, f) for k, f in dev.ops.ops.items()}, dev.ops.supports_states_out)
-    runner = Runner(model, cpu_backend(), dev, Placement(model.config.n_layer, res.placement.offload,
-                                                         res.placement.rule))
+    host = cpu_backend(resolve_ref_device(settings.ref_device))     # the host blocks where the comparison ran them
+    runner = Runner(model, host, dev, Placement(model.config.n_layer, res.placement.offload, res.placement.rule))
     holder[0] = runner
     tokens = res.tokens
     runner.reset(tokens.shape[0])

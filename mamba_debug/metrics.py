@@ -4,6 +4,9 @@ Per (sequence, token) of one site: relative L2, max abs, NMSE (llama.cpp's test-
 Per token of the logits: KL(p_ref || p_dev), top-1 agreement, RMS of the probability difference.
 A non-finite value on the device side where the reference is finite gives an infinite error, so a NaN
 is always a divergence and is reported where it was born.
+
+Metrics are computed where the reference tensor lives (the device tensor is moved there if needed) and
+returned there: with the reference sides on a GPU only these [S, T] results ever cross to the host.
 """
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ METRICS = ("rel_l2", "max_abs", "nmse", "cosine")
 
 
 def site_errors(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
-    """dev, ref [S, T, ...] -> each metric as [S, T] (float64)."""
-    a = dev.detach().to("cpu", torch.float64).reshape(dev.shape[0], dev.shape[1], -1)
-    b = ref.detach().to("cpu", torch.float64).reshape(ref.shape[0], ref.shape[1], -1)
+    """dev, ref [S, T, ...] -> each metric as [S, T] (float64, on ref's device)."""
+    a = dev.detach().to(ref.device, torch.float64).reshape(dev.shape[0], dev.shape[1], -1)
+    b = ref.detach().to(torch.float64).reshape(ref.shape[0], ref.shape[1], -1)
     diff = a - b
     bad = ~torch.isfinite(a).all(-1) & torch.isfinite(b).all(-1)
     diff = torch.where(torch.isfinite(diff), diff, torch.zeros_like(diff))
@@ -34,9 +37,9 @@ def site_errors(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def logit_stats(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
-    """dev, ref logits [S, T, V] -> kld, top1 (1.0 when the argmax agrees), rms_dp, each [S, T]."""
-    a = dev.detach().to("cpu", torch.float64)
-    b = ref.detach().to("cpu", torch.float64)
+    """dev, ref logits [S, T, V] -> kld, top1 (1.0 when the argmax agrees), rms_dp, each [S, T] on ref's device."""
+    a = dev.detach().to(ref.device, torch.float64)
+    b = ref.detach().to(torch.float64)
     log_p, log_q = torch.log_softmax(b, -1), torch.log_softmax(a, -1)
     p = log_p.exp()
     kld = (p * (log_p - log_q)).sum(-1)
@@ -49,6 +52,6 @@ def perplexity(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     """exp(mean NLL) of tokens[:, 1:] under logits[:, :-1] (the prompt's own continuation)."""
     if tokens.shape[1] < 2:
         return math.nan
-    logp = torch.log_softmax(logits[:, :-1].detach().to("cpu", torch.float64), -1)
-    nll = -logp.gather(-1, tokens[:, 1:, None].cpu()).squeeze(-1)
+    logp = torch.log_softmax(logits[:, :-1].detach().to(torch.float64), -1)
+    nll = -logp.gather(-1, tokens[:, 1:, None].to(logp.device)).squeeze(-1)
     return float(torch.exp(nll.mean()))

@@ -135,6 +135,16 @@ def _exec_plugin(path: Path, device: str) -> Plugin:
         bug=getattr(module, "BUG", None), module=module)
 
 
+class _Shapes:
+    """The arguments' shapes as text, formatted only when a message needs them."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def __str__(self):
+        return ", ".join(_shape(a) for a in self.args)
+
+
 def _shape(t) -> str:
     return "x".join(map(str, t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -159,7 +169,8 @@ def _expected(op: str, args: tuple) -> list[tuple[torch.Size, torch.dtype, torch
 def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
     """Wrap an op so a crash or a wrong output shape/dtype/device names the plug-in, the op and the shapes."""
     def wrapper(*args, **kwargs):
-        shapes = ", ".join(_shape(a) for a in args)
+        # shapes: only formatted for a message (this wrapper runs on every op call of the device side)
+        shapes = _Shapes(args)
         try:
             result = fn(*args, **kwargs)
         except PluginError:

@@ -71,8 +71,8 @@ def to_json(res: CompareResult) -> dict:
                    "kernels": s.kernels, "device": res.device_label.split(":")[0].replace("device ", ""),
                    "device_label": res.device_label, "rule": s.rule, "first_device_layer": res.placement.first_device_layer,
                    "head_on_device": res.placement.head_on_device, "n_prompt": res.n_prompt, "n_gen": s.n_gen,
-                   "reference": s.reference, "k_floor": s.k_floor, "capture": s.capture, "local": s.local,
-                   "repeat": s.repeat, "model": res.model_info},
+                   "reference": s.reference, "ref_device": s.ref_device, "k_floor": s.k_floor, "capture": s.capture,
+                   "local": s.local, "repeat": s.repeat, "model": res.model_info},
         "first_divergence": fd,
         "verdict": verdict(res),
         "logits": {"kld_mean": _num(lg["kld"].mean()), "kld_max": _num(lg["kld"].max()),
@@ -110,7 +110,8 @@ def summary(res: CompareResult) -> str:
              f"placement {res.placement.describe()}",
              f"device    {res.device_label}",
              f"run       {c['n_prompt']} prompt tokens + {c['n_gen']} generated, ubatch {c['ubatch']}, "
-             f"{c['n_seqs']} sequence(s), reference {c['reference']} CPU, {j['timings'].get('compare_s', 0):.1f} s",
+             f"{c['n_seqs']} sequence(s), reference {c['reference']} {_ref_where(c['ref_device'])}, "
+             f"{j['timings'].get('compare_s', 0):.1f} s",
              f"verdict   {j['verdict']}",
              f"logits    KLD mean {_fmt(lg['kld_mean'])} max {_fmt(lg['kld_max'])}, top-1 agreement "
              f"{_fmt(lg['top1_agreement'])}, perplexity ref {_fmt(lg['ppl_reference'])} / device {_fmt(lg['ppl_device'])}"]
@@ -130,6 +131,10 @@ def summary(res: CompareResult) -> str:
         lines.append(f"text dev  {'identical' if diff is None else 'differs from generated token %d' % diff}: "
                      f"{g['device'][0]!r}")
     return "\n".join(lines)
+
+
+def _ref_where(ref_device: str) -> str:
+    return "CPU" if ref_device == "cpu" else f"torch ops on {ref_device}"
 
 
 def _fmt(v):

@@ -8,10 +8,11 @@ import sys
 import pytest
 import torch
 
+from mamba_debug.cli import main as cli_main
 from mamba_debug.compare import CompareSettings, run_compare
 from mamba_debug.errors import MambaDebugError, PluginError
 from mamba_debug.export import export_case
-from mamba_debug.result import load_trace, save_trace, to_json
+from mamba_debug.result import load_trace, save_trace, summary, to_json
 from mamba_debug.saving import save_hf
 from mamba_debug.sweep import bisect_layer, run_sweep
 
@@ -203,3 +204,49 @@ def test_parallel_sweep_equals_serial_sweep(tmp_path, plugin):
     assert any(c["first_divergence"] for c in serial["cells"])
     with pytest.raises(MambaDebugError, match="needs a model loaded from a path"):
         run_sweep(random_model(n_layer=3), PROMPT, base, ubatches=(1,), progress=False, workers=2)
+
+
+def test_reference_device_defaults_to_cpu_and_bad_values_are_clear(model):
+    res = _run(model, offload=2)
+    assert CompareSettings().ref_device == "cpu" and to_json(res)["config"]["ref_device"] == "cpu"
+    assert "reference float32 CPU" in summary(res)
+    assert all(m.device.type == "cpu" for m in res.errors[(2, "y_scan")].values())
+    with pytest.raises(MambaDebugError, match="unknown reference device 'gpu'"):
+        _run(model, ref_device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(MambaDebugError, match="reference device 'cuda' was asked for but torch sees no GPU"):
+            _run(model, ref_device="cuda")
+        assert cli_main(["compare", "--ref-device", "cuda", "--device", "cpu", "--n-gen", "1"]) == 2
+
+
+def test_reference_device_code_path_gives_the_cpu_result(model, plugin, monkeypatch):
+    """ref_device='cuda' keeps the captured tensors where they were computed and takes the metrics there. CI has no
+    GPU, so map 'cuda' to the CPU: that code path must then give exactly the default path's result."""
+    from mamba_debug import compare
+    kw = dict(offload=2, kernels=plugin(STRIDED_SILU), capture="sites", capture_sites=["gate", "ssm_state"],
+              local=True, repeat=2)
+    base = _run(model, **kw)
+    monkeypatch.setattr(compare, "resolve_ref_device", lambda name: torch.device("cpu"))
+    other = _run(model, ref_device="cuda", **kw)
+    assert other.first_divergence == base.first_divergence and other.first_divergence is not None
+    assert other.generations == base.generations and other.perplexity == base.perplexity
+    for name in ("floor", "logits", "trace", "local"):
+        a, b = getattr(other, name), getattr(base, name)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True)
+    for k in base.errors:
+        for m in base.errors[k]:
+            torch.testing.assert_close(other.errors[k][m], base.errors[k][m], rtol=0, atol=0, equal_nan=True)
+
+
+def test_capture_copies_values_and_keeps_them_where_asked():
+    from mamba_debug.compare import _Capture
+    x = torch.arange(6.0).reshape(1, 2, 3)
+    for to_host in (True, False):
+        cap = _Capture(to_host=to_host)
+        cap(0, "norm", x[..., :2], True)
+        x_before = x.clone()
+        x.add_(1)                                   # an op writing into the tensor later must not change the capture
+        (value, per_token), = cap.take().values()
+        assert per_token and torch.equal(value, x_before[..., :2]) and cap.take() == {}

@@ -185,6 +185,41 @@ def test_ssm_scan_matches_reference(kern, S, T, D, N, K):
     assert torch.equal(states[:, -1], h)
 
 
+# Every way kernels/triton.py can run a scan (`scan_plan` picks one by device and size): the GPU's step schedule
+# with and without the next-token prefetch, chunked over time (pass 1 summaries + carry), and the interpreter's
+# tiled schedule with tiles shorter and longer than the chunk of tokens left. Each runs wherever the test runs.
+SCAN_PLANS = {
+    "steps": dict(schedule="steps", BLOCK_D=16, n_chunks=1, PREFETCH=0, num_warps=1),
+    "steps-prefetch-1": dict(schedule="steps", BLOCK_D=32, n_chunks=1, PREFETCH=1, num_warps=1),
+    "steps-prefetch-3": dict(schedule="steps", BLOCK_D=32, n_chunks=1, PREFETCH=3, num_warps=2),
+    "chunked-3-prefetch-2": dict(schedule="steps", BLOCK_D=16, n_chunks=3, PREFETCH=2, num_warps=1),
+    "chunked-5": dict(schedule="steps", BLOCK_D=64, n_chunks=5, PREFETCH=0, num_warps=2),
+    "chunked-19-prefetch-3": dict(schedule="steps", BLOCK_D=64, n_chunks=19, PREFETCH=3, num_warps=2),
+    "tiled-4": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=4, num_warps=1),
+    "tiled-16": dict(schedule="tiled", BLOCK_D=16, n_chunks=1, TILE_T=16, num_warps=1),
+}
+
+
+@pytest.mark.parametrize("name", SCAN_PLANS)
+def test_every_scan_schedule_matches_reference(plugin, name):
+    S, T, D, N = 3, 37, 40, 12
+    inp, _ = make_inputs(S, T, D, N, 4, seed=11)
+    states = torch.full((S, T, D, N), float("nan"), device=TORCH_DEVICE)
+    y, h = plugin.module.ssm_scan(*scan_args(inp), states_out=states, plan=SCAN_PLANS[name])
+    ref64, ref32 = reference_scan(inp, torch.float64), reference_scan(inp, torch.float32)
+    for got, r64, r32 in zip((y, h, states), ref64, ref32):
+        assert not torch.isnan(got).any(), "some element was never written"
+        assert nmse(got, r64) <= NMSE_VS_FP64
+        assert nmse(got, r32) <= NMSE_VS_FP32
+    assert torch.equal(states[:, -1], h)
+    if SCAN_PLANS[name]["n_chunks"] == 1:
+        # one pass, token after token: the same arithmetic as the default plan, so the same bits (on a GPU the
+        # sum over N may be spread over threads differently: rounding only)
+        y0, h0 = plugin.module.ssm_scan(*scan_args(inp))
+        assert_same(y, y0)
+        assert_same(h, h0)
+
+
 def test_scan_without_states_out_gives_the_same_result(kern):
     inp, _ = make_inputs(3, 37, 40, 16, 4)
     y0, h0 = kern["ssm_scan"](*scan_args(inp))
