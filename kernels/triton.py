@@ -47,6 +47,15 @@ elif not isinstance(tl.standard._sum_combine, triton.runtime.JITFunction):
     raise ImportError("triton was first imported with TRITON_INTERPRET=1 in this process, so its library is "
                       "interpreted and cannot be compiled for cuda; run the cuda kernels in another process")
 
+
+def _device_function(fn):
+    """@triton.jit for a helper called from the kernels; under the interpreter the plain function, same source.
+
+    The interpreter re-patches triton.language on every call of a jit function (about 1 ms, more than the few
+    operations of a helper), while the launching kernel has patched it already."""
+    return fn if INTERPRET else triton.jit(fn)
+
+
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)   # as mamba_debug.ops and llama.cpp: softplus(dt) = dt above it
 
 
@@ -82,12 +91,12 @@ def _ssm_conv_kernel(
     # One program: one sequence, BLOCK_T tokens x BLOCK_D channels. Outputs of different tokens do not depend on
     # each other (the window holds inputs only), so tokens are tiled like channels, no loop over time.
     pid_s = tl.program_id(0).to(tl.int64)   # 64-bit: S * stride can pass 2**31 elements
-    pid_d = tl.program_id(1)
-    pid_t = tl.program_id(2)
+    pid_d = tl.program_id(1).to(tl.int64)
+    pid_t = tl.program_id(2).to(tl.int64)
     # Offsets are 64-bit from the start: no index product can overflow, and Triton's interpreter then skips its
     # per-operation int32 overflow checks, which otherwise dominate the cost of a launch on the CPU.
-    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
-    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64) + pid_d * BLOCK_D
+    offs_t = tl.arange(0, BLOCK_T).to(tl.int64) + pid_t * BLOCK_T
     mask_d = offs_d < D
     mask = (offs_t < T)[:, None] & mask_d[None, :]
     state_base = state_ptr + pid_s * stride_state_s
@@ -127,19 +136,19 @@ def _ssm_conv_kernel(
         tl.store(new_ptrs, tl.where(tail_in_state, tail_state, tail_x).to(new_state_ptr.dtype.element_ty), mask=mask_r)
 
 
-@triton.jit
+@_device_function
 def _softplus(dt):
     """log(1 + exp(dt)), and dt itself above the threshold, in fp32.
 
-    tl has no log1p, and log(1 + u) loses the low bits of small u = exp(dt) (dt around -4 is common). The
-    classic correction log(w) * u / (w - 1) with w = 1 + u restores them; w == 1 means log1p(u) == u."""
+    tl has no log1p, and log(1 + u) loses the low bits of small u = exp(dt) (dt around -4 is common). With
+    w = fl(1 + u) = 1 + u + e, log(1 + u) = log(w) - e/w to first order, and e = (w - 1) - u exactly (w - 1 is
+    exact for w in [1, 2]): within 6 ulps of float64's softplus over dt in [-30, 25], like torch's."""
     u = tl.exp(tl.minimum(dt, SOFTPLUS_THRESHOLD))
     w = 1.0 + u
-    log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
-    return tl.where(dt > SOFTPLUS_THRESHOLD, dt, log1p_u)
+    return tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(w) - ((w - 1.0) - u) / w)
 
 
-@triton.jit
+@_device_function
 def _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, ok, mask_d, mask_n):
     """x, dt [BLOCK_D] and B, C [BLOCK_N] of the token the pointers point at, as fp32 (all 0 unless ok)."""
     # tl.where, not `mask & ok`: the interpreter types block & scalar as int32
@@ -196,9 +205,9 @@ def _ssm_scan_kernel(
     # applied chunk-wise, then walks the chunk again writing y. Each token's exp is computed twice, but the
     # chunks run in parallel instead of one after another.
     pid_s = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
+    pid_d = tl.program_id(1).to(tl.int64)
     pid_c = tl.program_id(2)
-    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)   # 64-bit: see _ssm_conv_kernel
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64) + pid_d * BLOCK_D   # 64-bit: see _ssm_conv_kernel
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     mask_d = offs_d < D
     mask_n = offs_n < N
@@ -230,11 +239,10 @@ def _ssm_scan_kernel(
     y_ptrs = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d
     if HAS_STATES_OUT:
         so_ptrs = states_out_ptr + pid_s * stride_so_s + offs_d[:, None] * stride_so_d + offs_n[None, :] * stride_so_n
-    t = 0
-    t_end = T
-    if CHUNKED:                 # this program's tokens: [pid_c * CHUNK_T, t_end)
+    n_tok = T
+    if CHUNKED:                 # this program's tokens: [t, t + n_tok)
         t = pid_c * CHUNK_T
-        t_end = tl.minimum(T, t + CHUNK_T)
+        n_tok = tl.minimum(T - t, CHUNK_T)
         x_ptrs += t * stride_x_t
         dt_ptrs += t * stride_dt_t
         B_ptrs += t * stride_B_t
@@ -247,7 +255,6 @@ def _ssm_scan_kernel(
     # of token i + P are issued before the math of token i, so a step waits on memory only when P steps take less
     # than one load (slots 0..P-1 hold the tokens in flight). Under the interpreter (P = 0) the loads are plain.
     # It is a `while` loop: Triton 3.6's interpreter cannot take a runtime int as a range() bound under numpy >= 2.5.
-    n_tok = t_end - t
     if PREFETCH >= 1:
         x0, dt0, B0, C0 = _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, 0 < n_tok, mask_d, mask_n)
     if PREFETCH >= 2:
@@ -304,10 +311,13 @@ def _ssm_scan_kernel(
     if SUMMARY:
         tl.store(end_ptr + summary_offs + pid_c * D * N, h, mask=mask_dn)
         tl.store(decay_ptr + summary_offs + pid_c * D * N, decay, mask=mask_dn)
-    elif pid_c == tl.num_programs(2) - 1:
+    else:
+        store_mask = mask_dn
+        if CHUNKED:             # the new state is the last chunk's final state
+            store_mask = tl.where(pid_c == N_CHUNKS - 1, mask_dn, False)
         tl.store(new_state_ptr + pid_s * stride_new_s
                  + offs_d[:, None] * stride_new_d + offs_n[None, :] * stride_new_n,
-                 h.to(new_state_ptr.dtype.element_ty), mask=mask_dn)
+                 h.to(new_state_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -337,8 +347,8 @@ def _ssm_scan_tiled_kernel(
     # _ssm_scan_kernel, so both schedules give the same bits on the CPU. On a GPU this schedule would waste
     # TILE_T x the work on the row picks: there the launcher uses _ssm_scan_kernel.
     pid_s = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    pid_d = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64) + pid_d * BLOCK_D
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     offs_r = tl.arange(0, TILE_T).to(tl.int64)
     rows3 = offs_r[:, None, None]

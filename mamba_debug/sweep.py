@@ -2,7 +2,10 @@
 
 A sweep shares the reference side between all offload counts of one ubatch size (it does not depend on
 placement), and each device run starts at its boundary from the shared host blocks, so the whole
-0..n_layer+1 grid costs about half of what independent runs would.
+0..n_layer+1 grid costs about half of what independent runs would. Where the device side runs on the CPU
+(interpret, cpu) and the plug-in leaves the head's ops (rms_norm, linear) to plain torch, moving the head
+changes no bit: two offloads with the same device blocks are then one run, and the cell says so
+(`same_run_as`).
 """
 from __future__ import annotations
 
@@ -43,8 +46,11 @@ def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Op
     offloads = list(range(0, L + 2)) if offloads is None else list(offloads)
     ubatches, n_seqs_list = list(ubatches), list(n_seqs_list)
     grid = [(s, u, o) for s in n_seqs_list for u in ubatches for o in offloads]
+    runs = _runs_for(model, base, offloads)
     jobs = [replace(copy.deepcopy(base), offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)
-            for s, u, o in grid]
+            for s, u, o in grid if runs[o] == o]
+    if workers > 1:     # longest first, so that no worker is left with one long run at the end
+        jobs.sort(key=lambda j: -_cost(j, L, len(prompt_ids)))
     t0 = time.perf_counter()
     bar = tqdm(total=len(jobs), desc="sweep", disable=not progress, unit="run")
     if workers > 1 and not _reloadable(model):
@@ -60,8 +66,44 @@ def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Op
             cells.append(sweep_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
             bar.update()
     bar.close()
+    done = {(c["n_seqs"], c["ubatch"], c["offload"]): c for c in cells}
+    cells = [done[(s, u, o)] if runs[o] == o else _same_as(done[(s, u, runs[o])], o, L, base.rule)
+             for s, u, o in grid]
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
             "cells": cells, "seconds": time.perf_counter() - t0, "workers": workers}
+
+
+def _cost(s: CompareSettings, n_layer: int, n_prompt: int) -> int:
+    """Relative cost of a sweep run: device blocks x kernel launches (what dominates under the interpreter)."""
+    from .placement import Placement  # noqa: PLC0415
+    return (Placement(n_layer, s.offload, s.rule).n_device_layers + 1) * (-(-n_prompt // s.ubatch) + s.n_gen)
+
+
+def _runs_for(model: MambaModel, base: CompareSettings, offloads: list) -> dict:
+    """offload -> the offload whose run answers for it: itself, or, when the head's placement changes no bit (see
+    the module docstring), the offload with the same device blocks and the head on the device."""
+    from .backends import resolve_device  # noqa: PLC0415
+    from .placement import Placement  # noqa: PLC0415
+    from .plugins import load_plugin  # noqa: PLC0415
+    device = resolve_device(base.device)
+    head_ops = set() if base.kernels in (None, "torch") else {"rms_norm", "linear"} & set(
+        load_plugin(base.kernels, device).ops)
+    if device == "cuda" or head_ops:
+        return {o: o for o in offloads}
+    L, by_blocks = model.config.n_layer, {}
+    for o in sorted(offloads, key=lambda o: (not Placement(L, o, base.rule).head_on_device, o)):
+        by_blocks.setdefault(Placement(L, o, base.rule).n_device_layers, o)
+    return {o: by_blocks[Placement(L, o, base.rule).n_device_layers] for o in offloads}
+
+
+def _same_as(cell: dict, offload: int, n_layer: int, rule: str) -> dict:
+    """The cell of `offload` from the run of another offload that computes the same bits."""
+    from .placement import Placement  # noqa: PLC0415
+    out = dict(cell, offload=offload, same_run_as=cell["offload"])
+    fd = cell["first_divergence"]
+    if fd is not None and fd["layer"] is None:          # a head site: on the device or not, per this offload
+        out["first_divergence"] = dict(fd, on_device=Placement(n_layer, offload, rule).head_on_device)
+    return out
 
 
 def auto_workers(model: MambaModel, device: Optional[str]) -> int:

@@ -166,6 +166,37 @@ def test_sweep_matrix_and_bisect(model, plugin):
     assert out["bad_layer"] == 3 and len(out["runs"]) <= 4
 
 
+SLOW_LINEAR = '''
+import torch
+def linear(x, weight, bias=None):
+    # a correct matmul of its own: the head's placement now decides which implementation runs it
+    y = (x.unsqueeze(-2) * weight).sum(-1)
+    return y if bias is None else y + bias
+OPS = {"linear": linear}
+'''
+
+
+def test_sweep_runs_offloads_that_compute_the_same_bits_once(model, plugin):
+    """On the CPU, with the head's ops left to plain torch, offload L (head on the host) and L+1 (head on the
+    device) compute the same bits: the sweep runs L+1 once and says so in L's cell, which equals its own run."""
+    from dataclasses import replace
+
+    from mamba_debug.sweep import sweep_cell
+    L = model.config.n_layer
+    base = CompareSettings(device="cpu", kernels=plugin(STRIDED_SILU), n_gen=2)
+    by = {c["offload"]: c for c in run_sweep(model, PROMPT, base, ubatches=(4,), progress=False)["cells"]}
+    assert by[L]["same_run_as"] == L + 1 and "same_run_as" not in by[L + 1]
+    alone = sweep_cell(run_compare(model, PROMPT, replace(base, offload=L, ubatch=4, capture="metrics",
+                                                          free_run=False)))
+    for key in ("first_token", "first_layer", "kld_mean", "kld_max", "top1_agreement"):
+        assert by[L][key] == alone[key], key
+    assert by[L]["first_divergence"]["site"] == alone["first_divergence"]["site"]
+    # a plug-in with its own head op (linear): the head's placement matters, every offload is its own run
+    cells = run_sweep(model, PROMPT, CompareSettings(device="cpu", kernels=plugin(SLOW_LINEAR, "lin.py"), n_gen=2),
+                      ubatches=(4,), progress=False)["cells"]
+    assert not any("same_run_as" in c for c in cells)
+
+
 def test_export_case_replays_the_failing_op(model, plugin, tmp_path):
     case = export_case(model, PROMPT, CompareSettings(device="cpu", kernels=plugin(STRIDED_SILU), offload=2,
                                                        ubatch=4, n_gen=0), tmp_path / "case")
