@@ -123,7 +123,11 @@ def cmd_sweep(args) -> int:
                 fd = c["first_divergence"]
                 row.append("ok" if fd is None else f"t{fd['token']}/L{'head' if fd['layer'] is None else fd['layer']}")
             print(f"{o:7d} " + "".join(f"{x:>12s}" for x in row))
-    print(f"{len(sw['cells'])} runs in {sw['seconds']:.1f} s ({sw['workers']} process(es))")
+    shared = sorted({(c["offload"], c["same_run_as"]) for c in sw["cells"] if "same_run_as" in c})
+    runs = len(sw["cells"]) - sum(1 for c in sw["cells"] if "same_run_as" in c)
+    print(f"{len(sw['cells'])} cells from {runs} runs in {sw['seconds']:.1f} s ({sw['workers']} process(es))"
+          + "".join(f"; offload {o} is the run of offload {r} (the head's placement changes no bit here)"
+                    for o, r in shared))
     if args.json:
         Path(args.json).write_text(json.dumps(sw, indent=1))
     return 1 if any(c["first_divergence"] for c in sw["cells"]) else 0
