@@ -228,7 +228,7 @@ def tune_rows(bw) -> list[dict]:
         for bd, nc, warps in (((32, 16, 1), (64, 16, 2), (64, 32, 2), (32, 32, 1), (64, 8, 2)) if S == 1 and D == 5120
                               else ((64, 32, 2), (32, 32, 1), (64, 16, 2)) if S == 1
                               else ((32, 1, 2), (32, 1, 1), (16, 1, 1), (64, 1, 2), (32, 2, 2))):
-            for prefetch in (1, 2, 3):
+            for prefetch in (1, 2):
                 plans.append(dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, PREFETCH=prefetch, num_warps=warps,
                                   label=f"BD{bd} chunks{nc} prefetch{prefetch} w{warps}"))
         for plan in plans:

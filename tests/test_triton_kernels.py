@@ -196,10 +196,10 @@ def check_scan(inp, y, h, states):
 SCAN_PLANS = {
     "steps": dict(schedule="steps", BLOCK_D=16, n_chunks=1, PREFETCH=0, num_warps=1),
     "steps-prefetch-1": dict(schedule="steps", BLOCK_D=32, n_chunks=1, PREFETCH=1, num_warps=1),
-    "steps-prefetch-3": dict(schedule="steps", BLOCK_D=32, n_chunks=1, PREFETCH=3, num_warps=2),
+    "steps-prefetch-2": dict(schedule="steps", BLOCK_D=32, n_chunks=1, PREFETCH=2, num_warps=2),
     "chunked-3-prefetch-2": dict(schedule="steps", BLOCK_D=16, n_chunks=3, PREFETCH=2, num_warps=1),
     "chunked-5": dict(schedule="steps", BLOCK_D=64, n_chunks=5, PREFETCH=0, num_warps=2),
-    "chunked-19-prefetch-3": dict(schedule="steps", BLOCK_D=64, n_chunks=19, PREFETCH=3, num_warps=2),
+    "chunked-19-prefetch-2": dict(schedule="steps", BLOCK_D=64, n_chunks=19, PREFETCH=2, num_warps=2),
     "tiled-4": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=4, num_warps=1),
     "tiled-16": dict(schedule="tiled", BLOCK_D=16, n_chunks=1, TILE_T=16, num_warps=1),
 }
