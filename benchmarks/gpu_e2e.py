@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mamba_debug.backends import cpu_threads_for, device_backend  # noqa: E402
-from mamba_debug.compare import CompareSettings, _Capture, run_compare, ubatch_capture_bytes  # noqa: E402
+from mamba_debug.compare import (CompareSettings, _Capture, comparison_gpu_bytes, run_compare,  # noqa: E402
+                                 ubatch_capture_bytes)
 from mamba_debug.config import MambaConfig  # noqa: E402
 from mamba_debug.metrics import site_errors  # noqa: E402
 from mamba_debug.model import MambaModel, Runner  # noqa: E402
@@ -363,10 +364,9 @@ def e2e_memory(cfg: MambaConfig, ubatch: int, n_tok: int, ref_device: str) -> di
     """Bytes the comparison holds: weights per side, and one ubatch of every site for the three runners."""
     p = param_count(cfg)
     per_ubatch = ubatch_capture_bytes(cfg, ubatch)                         # dev f32, ref32 f32, ref64 f64
-    scratch = 8 * ubatch * cfg.d_inner * cfg.d_state * 8                   # metrics of the largest site, float64
     logits = 2 * n_tok * cfg.vocab_size * 4                                # kept for perplexity: ref and dev
     on_gpu = ref_device == "cuda"
-    gpu = p * 4 + (p * 8 + per_ubatch + scratch + logits if on_gpu else 0)
+    gpu = comparison_gpu_bytes(cfg, ubatch, 1, n_tok) if on_gpu else p * 4
     host = master_bytes(cfg) + (0 if on_gpu else p * 4 + per_ubatch + logits)
     return {"gpu_bytes": gpu, "host_bytes": host, "capture_per_ubatch_bytes": per_ubatch}
 

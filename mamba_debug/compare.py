@@ -233,6 +233,8 @@ def run_compare(model: MambaModel, prompt_ids, settings: Optional[CompareSetting
     tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     _check_budget(model, s, tokens.shape[1] + s.n_gen)
     ref_device = resolve_ref_device(s.ref_device)
+    if ref_device.type == "cuda":
+        check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
     device = resolve_device(s.device)
     dev_backend = device_backend(s.kernels, device)
     t0 = time.perf_counter()
@@ -263,6 +265,37 @@ def ubatch_capture_bytes(cfg, ubatch: int, n_seqs: int = 1) -> int:
     E, D, N, K, L = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.d_conv, cfg.n_layer
     per_token = L * (3 * E + 9 * D + 2 * N + D * N) + E + cfg.vocab_size   # see the site list in model.py
     return n_seqs * (ubatch * per_token + L * (K - 1) * D) * (4 + 4 + 8)
+
+
+def comparison_gpu_bytes(cfg, ubatch: int, n_seqs: int, n_tok: int) -> int:
+    """GPU bytes of a comparison whose reference sides run on the GPU: float32 and float64 weights, one ubatch of
+    captured sites for the three runners, the float64 metric scratch of the largest site (the per-token states)
+    and the logits kept for perplexity. (2.8B shape, ubatch 256, 2052 tokens: 72.7 GB estimated, 72.7 GB
+    measured on an H200, benchmarks/results/gpu_e2e.md.)"""
+    from .weights import expected_shapes  # noqa: PLC0415
+    params = sum(math.prod(shape) for shape in expected_shapes(cfg).values())
+    scratch = 8 * n_seqs * ubatch * cfg.d_inner * cfg.d_state * 8
+    logits = 2 * n_seqs * n_tok * cfg.vocab_size * 4
+    return params * (4 + 8) + ubatch_capture_bytes(cfg, ubatch, n_seqs) + scratch + logits
+
+
+def check_gpu_memory(cfg, s: CompareSettings, n_tok: int, total_bytes: Optional[int] = None):
+    """With the reference sides on the GPU, refuse before loading anything a ubatch whose working set would not fit
+    (90% of the GPU's memory), and name the largest ubatch that would."""
+    if s.ref_device != "cuda":
+        return
+    if total_bytes is None:
+        total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    need = comparison_gpu_bytes(cfg, s.ubatch, s.n_seqs, n_tok)
+    if need <= 0.9 * total_bytes:
+        return
+    fits = next((u for u in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+                 if u < s.ubatch and comparison_gpu_bytes(cfg, u, s.n_seqs, n_tok) <= 0.9 * total_bytes), None)
+    fix = (f"use --ubatch {fits} (about {comparison_gpu_bytes(cfg, fits, s.n_seqs, n_tok) / 1e9:.0f} GB)" if fits
+           else "the weights alone do not fit: use --ref-device cpu")
+    raise MambaDebugError(f"with the reference sides on the GPU, ubatch {s.ubatch} needs about {need / 1e9:.0f} GB "
+                          f"of GPU memory (weights in float32 and float64, every site of one ubatch for the three "
+                          f"runners), over 90% of the {total_bytes / 1e9:.0f} GB there: {fix}")
 
 
 def _check_budget(model: MambaModel, s: CompareSettings, n_tok: int):

@@ -281,3 +281,17 @@ def test_capture_copies_values_and_keeps_them_where_asked():
         x.add_(1)                                   # an op writing into the tensor later must not change the capture
         (value, per_token), = cap.take().values()
         assert per_token and torch.equal(value, x_before[..., :2]) and cap.take() == {}
+
+
+def test_gpu_reference_refuses_a_ubatch_that_cannot_fit():
+    """2.8B shape with the reference sides on the GPU: ubatch 512 fits 141 GB (an H200), not 80 GB; the error
+    names the largest ubatch that does. Checked before any weight is touched, so it runs without a GPU."""
+    from mamba_debug.compare import check_gpu_memory, comparison_gpu_bytes
+    from mamba_debug.config import MambaConfig
+    cfg = MambaConfig(d_model=2560, n_layer=64, d_inner=5120, d_state=16, d_conv=4, dt_rank=160, vocab_size=50280)
+    s = CompareSettings(ubatch=512, ref_device="cuda")
+    assert 70e9 < comparison_gpu_bytes(cfg, 256, 1, 2052) < 76e9        # measured 72.7 GB on the H200
+    check_gpu_memory(cfg, s, 2052, total_bytes=141e9)
+    with pytest.raises(MambaDebugError, match=r"ubatch 512 needs about 1\d\d GB .* use --ubatch 128"):
+        check_gpu_memory(cfg, s, 2052, total_bytes=80e9)
+    check_gpu_memory(cfg, CompareSettings(ubatch=512), 2052, total_bytes=1e9)   # reference on the CPU: no check
