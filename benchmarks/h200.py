@@ -144,22 +144,12 @@ def bench_cold(fn, n: int = 20) -> float:
     return (replay_ms(graph(True)) - replay_ms(graph(False))) / n * 1e3
 
 
-def warm_up_gpu(seconds: float = 3.0):
-    """Busy the GPU before timing: the first rows of a run otherwise catch it at low clocks (seen: 2-5x slower)."""
-    a = torch.randn(4096, 4096, device="cuda")
-    t = time.perf_counter()
-    while time.perf_counter() - t < seconds:
-        a = (a @ a).clamp_(-1, 1)
-    torch.cuda.synchronize()
-
-
 def time_rows(bw) -> list[dict]:
     # The kernels' own launchers, not the engine's validating wrapper around them (its shape/dtype/device checks
     # are ~10 us of Python per call, which decides the figure of any kernel shorter than a few tens of us)
     from mamba_debug.plugins import load_plugin
     trit = load_plugin("triton", device="cuda").module.OPS
     rows = []
-    warm_up_gpu()
 
     def add(op, mode, D, L, S, us, nbytes, impl):
         floor = nbytes / bw * 1e6

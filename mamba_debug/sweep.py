@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 from .compare import CompareSettings, run_compare
 from .errors import MambaDebugError
 from .model import MambaModel
+from .placement import Placement
 from .result import _num
 
 
@@ -75,7 +76,6 @@ def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Op
 
 def _cost(s: CompareSettings, n_layer: int, n_prompt: int) -> int:
     """Relative cost of a sweep run: device blocks x kernel launches (what dominates under the interpreter)."""
-    from .placement import Placement  # noqa: PLC0415
     return (Placement(n_layer, s.offload, s.rule).n_device_layers + 1) * (-(-n_prompt // s.ubatch) + s.n_gen)
 
 
@@ -83,7 +83,6 @@ def _runs_for(model: MambaModel, base: CompareSettings, offloads: list) -> dict:
     """offload -> the offload whose run answers for it: itself, or, when the head's placement changes no bit (see
     the module docstring), the offload with the same device blocks and the head on the device."""
     from .backends import resolve_device  # noqa: PLC0415
-    from .placement import Placement  # noqa: PLC0415
     from .plugins import load_plugin  # noqa: PLC0415
     device = resolve_device(base.device)
     head_ops = set() if base.kernels in (None, "torch") else {"rms_norm", "linear"} & set(
@@ -98,7 +97,6 @@ def _runs_for(model: MambaModel, base: CompareSettings, offloads: list) -> dict:
 
 def _same_as(cell: dict, offload: int, n_layer: int, rule: str) -> dict:
     """The cell of `offload` from the run of another offload that computes the same bits."""
-    from .placement import Placement  # noqa: PLC0415
     out = dict(cell, offload=offload, same_run_as=cell["offload"])
     fd = cell["first_divergence"]
     if fd is not None and fd["layer"] is None:          # a head site: on the device or not, per this offload
@@ -179,7 +177,6 @@ def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:
             hi = mid
         else:
             lo = mid
-    from .placement import Placement  # noqa: PLC0415
     p = Placement(L, hi, base.rule)
     newest = p.first_device_layer if p.n_device_layers > Placement(L, hi - 1, base.rule).n_device_layers else None
     bad = "head" if newest is None else newest    # what offload hi adds over hi - 1: a block, or the head
