@@ -4,7 +4,9 @@ kernel timings with their byte floors. Writes benchmarks/results/h200.json (+ .m
 Run on the GPU machine (TRITON_INTERPRET must be unset or 0 when triton is first imported):
     TRITON_INTERPRET=0 python benchmarks/h200.py
 Prefill rows: CUDA graphs of (L2 flush, kernel) minus graphs of the flush alone (`bench_cold`); decode rows:
-CUDA graphs (do_bench_cudagraph). Floor = bytes that must move / the device-to-device copy bandwidth measured in this run.
+CUDA graphs (do_bench_cudagraph). Floor = bytes that must move / the device-to-device copy bandwidth measured in this run,
+or for the scan the exp-unit floor where that is larger (one exp per state element and token, 16 exp2 per SM and
+clock).
 """
 from __future__ import annotations
 
@@ -94,6 +96,17 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 4 / (ms * 1e-3)            # bytes read + written per second
 
 
+def exp_rate() -> float:
+    """exp2 per second at the MUFU's peak: 16 per SM and clock on compute capability 9.0 (CUDA guide,
+    arithmetic instruction throughput), at the SM clock nvidia-smi gives as maximum (1.98 GHz on an H200)."""
+    try:
+        mhz = float(subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, check=True).stdout.split()[0])
+    except Exception:  # noqa: BLE001 - no nvidia-smi: the H200's figure
+        mhz = 1980.0
+    return 16 * torch.cuda.get_device_properties(0).multi_processor_count * mhz * 1e6
+
+
 def scan_inputs(S, L, D, N=16, R=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     R = R or -(-D // 32)
@@ -152,10 +165,13 @@ def time_rows(bw) -> list[dict]:
     rows = []
 
     def add(op, mode, D, L, S, us, nbytes, impl):
-        floor = nbytes / bw * 1e6
+        # the scan's floor is the larger of its bytes and its exps (one exp per state element and token)
+        exp_floor = S * L * D * 16 / exp_rate() * 1e6 if op == "ssm_scan" else 0.0
+        floor = max(nbytes / bw * 1e6, exp_floor)
         ref = REFERENCE_US.get((op, D, L, S)) if impl == "triton" else None
         rows.append({"op": op, "mode": mode, "impl": impl, "d_inner": D, "L": L, "batch": S, "time_us": round(us, 2),
                      "floor_us": round(floor, 2), "x_floor": round(us / floor, 2), "date": TODAY,
+                     "bytes_floor_us": round(nbytes / bw * 1e6, 2), "exp_floor_us": round(exp_floor, 2),
                      "reference_kernel": ref[0] if ref else None, "reference_us": ref[1] if ref else None})
         log(rows[-1])
 
@@ -215,17 +231,19 @@ def tune_rows(bw) -> list[dict]:
         scan_bytes = 4 * (3 * S * L * D + 2 * S * L * 16 + D * 16 + 2 * S * D * 16)
         default = mod.scan_plan(S, L, D, 16, device=x.device)
         plans = [dict(default, label="default")]
-        for bd, nc, warps in (((32, 16, 1), (64, 16, 2), (64, 32, 2), (32, 32, 1), (64, 8, 2)) if S == 1 and D == 5120
-                              else ((64, 32, 2), (32, 32, 1), (64, 16, 2)) if S == 1
-                              else ((32, 1, 2), (32, 1, 1), (16, 1, 1), (64, 1, 2), (32, 2, 2))):
-            for prefetch in (1, 2):
-                plans.append(dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, PREFETCH=prefetch, num_warps=warps,
-                                  label=f"BD{bd} chunks{nc} prefetch{prefetch} w{warps}"))
+        # channel block x warps x time chunks, each with and without the decays computed a token ahead (AHEAD)
+        shapes = {(5120, 1): ((32, 1, 17), (32, 1, 32), (64, 2, 16), (64, 2, 32)),
+                  (5120, 8): ((32, 1, 1), (64, 2, 1), (16, 1, 1)),
+                  (1536, 1): ((32, 1, 32), (16, 1, 32), (64, 2, 32))}[(D, S)]
+        for bd, warps, nc in shapes:
+            for ahead in (0, 1):
+                plans.append(dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, PREFETCH=2, AHEAD=ahead,
+                                  num_warps=warps, label=f"BD{bd} w{warps} chunks{nc} prefetch2 ahead{ahead}"))
         for plan in plans:
             try:
                 y, st = mod.ssm_scan(h0, x, dt, A, B, C, plan=plan)
                 err = float(((y - y0).double().norm() / y0.double().norm()))
-                us = do_bench(lambda: mod.ssm_scan(h0, x, dt, A, B, C, plan=plan)) * 1e3
+                us = bench_cold(lambda: mod.ssm_scan(h0, x, dt, A, B, C, plan=plan))
             except Exception as exc:
                 log("plan failed", plan, repr(exc)[:300])
                 continue
@@ -266,12 +284,14 @@ def markdown(meta, correctness, rows) -> str:
     for c in correctness:
         lines.append(f"- {json.dumps(c)}")
     lines += ["", "## Kernel timings (fp32)", "",
-              "| op | mode | impl | d_inner | L | batch | µs | floor µs | x floor | reference kernel µs (perf-anchors §8) |",
+              "| op | mode | impl | d_inner | L | batch | µs | floor µs (bytes / exps) | x floor | "
+              "reference kernel µs (perf-anchors §8) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = f"{r['reference_kernel']}: {r['reference_us']}" if r["reference_us"] else ""
+        parts = f" ({r['bytes_floor_us']} / {r['exp_floor_us']})" if r.get("exp_floor_us") else ""
         lines.append(f"| {r['op']} | {r['mode']} | {r['impl']} | {r['d_inner']} | {r['L']} | {r['batch']} | "
-                     f"{r['time_us']} | {r['floor_us']} | {r['x_floor']} | {ref} |")
+                     f"{r['time_us']} | {r['floor_us']}{parts} | {r['x_floor']} | {ref} |")
     return "\n".join(lines) + "\n"
 
 
@@ -292,8 +312,9 @@ def main():
         save()
         return
     if os.environ.get("H200_TIMINGS_ONLY") != "1":
-        correctness.append(_pytest("tests/test_triton_kernels.py"))
-        save()
+        for path in ("tests/test_triton_kernels.py", "tests/test_fused_decode.py", "tests/test_site_metrics.py"):
+            correctness.append(_pytest(path))
+            save()
         correctness.extend(engine_on_cuda())
         save()
     rows.extend(time_rows(bw))

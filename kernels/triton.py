@@ -57,6 +57,7 @@ def _device_function(fn):
 
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)   # as mamba_debug.ops and llama.cpp: softplus(dt) = dt above it
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # %%
@@ -213,7 +214,7 @@ def _ssm_scan_kernel(
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + offs_d[:, None] * stride_A_d + offs_n[None, :] * stride_A_n,
-                mask=mask_dn, other=0.0).to(tl.float32)
+                mask=mask_dn, other=0.0).to(tl.float32) * LOG2E      # exp(delta*A) = exp2(delta*(A*log2 e))
     if CHUNKED:
         summary_offs = (pid_s * N_CHUNKS) * D * N + offs_d[:, None] * N + offs_n[None, :]
     if SUMMARY:
@@ -286,10 +287,11 @@ def _ssm_scan_kernel(
         B_ptrs += stride_B_t
         C_ptrs += stride_C_t
 
-        delta = _softplus(dt_t)[:, None]                              # [BLOCK_D, 1]
-        # Same operation order as mamba_debug.ops.ssm_scan: exp(delta*A)*h + (delta*B)*x.
-        decay_t = tl.exp(delta * A)
-        h = decay_t * h + (delta * B_t[None, :]) * x_t[:, None]
+        # h = exp(delta*A)*h + B*(delta*x), as llama.cpp's ssm_scan (x*delta first); exp2 with A*log2 e taken once
+        delta = _softplus(dt_t)
+        decay_t = tl.exp2(delta[:, None] * A)
+        input_t = B_t[None, :] * (delta * x_t)[:, None]
+        h = decay_t * h + input_t
         if SUMMARY:
             decay = decay * decay_t
         else:
@@ -354,7 +356,7 @@ def _ssm_scan_tiled_kernel(
                 + offs_d[:, None] * stride_state_d + offs_n[None, :] * stride_state_n,
                 mask=mask_dn, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + offs_d[:, None] * stride_A_d + offs_n[None, :] * stride_A_n,
-                mask=mask_dn, other=0.0).to(tl.float32)
+                mask=mask_dn, other=0.0).to(tl.float32) * LOG2E
 
     t0 = 0
     while t0 < T:
@@ -370,8 +372,8 @@ def _ssm_scan_tiled_kernel(
         Ct = tl.load(C_ptr + pid_s * stride_C_s + rows[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
                      mask=mask_tn, other=0.0).to(tl.float32)
         delta = _softplus(dt)[:, :, None]                                                # [TILE_T, BLOCK_D, 1]
-        decays = tl.exp(delta * A[None, :, :])                                           # [TILE_T, BLOCK_D, BLOCK_N]
-        inputs = (delta * Bt[:, None, :]) * x[:, :, None]
+        decays = tl.exp2(delta * A[None, :, :])                                          # [TILE_T, BLOCK_D, BLOCK_N]
+        inputs = Bt[:, None, :] * (delta * x[:, :, None])
         hs = tl.zeros([TILE_T, BLOCK_D, BLOCK_N], dtype=tl.float32)                      # every h_t of the tile
         j = 0
         j_end = tl.minimum(T - t0, TILE_T)      # rows past T are padding: never applied to h
@@ -447,13 +449,14 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
         block_d = next((b for b in (64, 32) if S * triton.cdiv(D, b) >= 2 * sms), 16)
         return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, PREFETCH=1,
                     num_warps=max(1, min(8, block_d * block_n // 512)))
-    # Long prompts (benchmarks/results/h200_tuning_run{2,3}.json: 60-80 plans per shape on an H200): 32-channel
-    # programs of one warp, two tokens loaded ahead. Many sequences fill the GPU on their own (1264 us at d_inner
-    # 5120, L 2048, batch 8); a few also cut time into chunks, about 20 programs per SM in all (243 us at batch 1,
-    # against 976 us in one pass; 99 us at d_inner 1536).
-    programs = S * triton.cdiv(D, 32)
-    n_chunks = 1 if programs >= 8 * sms else min(T // MIN_CHUNK_T, triton.cdiv(20 * sms, programs))
-    return dict(schedule="steps", BLOCK_D=32, n_chunks=n_chunks, PREFETCH=2, num_warps=1)
+    # Long prompts (benchmarks/results/h200_tuning_run{2,3,4}.json: 60-80 plans per shape on an H200): 64-channel
+    # programs of two warps, two tokens loaded ahead. Many sequences fill the GPU on their own (1103 us at d_inner
+    # 5120, L 2048, batch 8); a few also cut time into chunks, at most 10 programs (20 warps) per SM in all, so
+    # that they run in one wave: at d_inner 5120, L 2048, batch 1, 16 chunks took 187 us and 17 (one program too
+    # many per SM for some) 227 us; about 970 us in one pass. 85 us at d_inner 1536 (32 chunks).
+    programs = S * triton.cdiv(D, 64)
+    n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 10 * sms // programs))
+    return dict(schedule="steps", BLOCK_D=64, n_chunks=n_chunks, PREFETCH=2, num_warps=2)
 
 
 # %%

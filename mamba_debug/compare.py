@@ -258,13 +258,22 @@ def _cache_for(ref_cache, model, tokens, s: CompareSettings):
     return ref_cache.setdefault(key, {})
 
 
+def site_elements(cfg) -> dict[str, int]:
+    """Elements per token and sequence of each layer site (model.py's list; conv_state is per ubatch, so 0 here)
+    and of the head's sites: what every memory estimate below counts."""
+    E, D, N = cfg.d_model, cfg.d_inner, cfg.d_state
+    layer = {"norm": E, "xz": 2 * D, "conv": D, "conv_state": 0, "conv_act": D, "dt": D, "B": N, "C": N, "y_scan": D,
+             "ssm_state": D * N, "y_skip": D, "gate": D, "y_gated": D, "out": E, "resid": E}
+    return {**layer, "final_norm": E, "logits": cfg.vocab_size}
+
+
 def ubatch_capture_bytes(cfg, ubatch: int, n_seqs: int = 1) -> int:
     """Bytes of one ubatch of captured sites for the three runners (device and ref32 float32, ref64 float64): every
     layer site, the per-token SSM states included, and the head. They are held until the ubatch's metrics are taken,
     so with capture='metrics' this, not the prompt length, is what a comparison's working memory grows with."""
-    E, D, N, K, L = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.d_conv, cfg.n_layer
-    per_token = L * (3 * E + 9 * D + 2 * N + D * N) + E + cfg.vocab_size   # see the site list in model.py
-    return n_seqs * (ubatch * per_token + L * (K - 1) * D) * (4 + 4 + 8)
+    el = site_elements(cfg)
+    per_token = cfg.n_layer * sum(el[k] for k in LAYER_SITES) + el["final_norm"] + el["logits"]
+    return n_seqs * (ubatch * per_token + cfg.n_layer * (cfg.d_conv - 1) * cfg.d_inner) * (4 + 4 + 8)
 
 
 def comparison_gpu_bytes(cfg, ubatch: int, n_seqs: int, n_tok: int) -> int:
@@ -299,13 +308,16 @@ def check_gpu_memory(cfg, s: CompareSettings, n_tok: int, total_bytes: Optional[
 
 
 def _check_budget(model: MambaModel, s: CompareSettings, n_tok: int):
+    """The kept trace (host memory): both sides of every kept site, the device's float32 and the reference side's
+    float32 (ref32, the default) or float64 (reference='float64'), counted with the per-site sizes of
+    ubatch_capture_bytes (tests/test_engine.py checks the estimate against a kept trace)."""
     if s.capture == "metrics":
         return
-    c = model.config
-    per_tok = c.d_model * 2 + c.d_inner * 10 + c.d_inner * c.d_state + c.dt_rank + 2 * c.d_state
+    c, el = model.config, site_elements(model.config)
     layers = len(s.capture_layers) if s.capture_layers else c.n_layer
-    frac = len(s.capture_sites) / 15 if s.capture_sites else 1.0
-    mb = 2 * 4 * s.n_seqs * n_tok * layers * per_tok * max(frac, 0.1) / 2**20
+    sites = [x for x in LAYER_SITES if not s.capture_sites or x in s.capture_sites]
+    per_tok = layers * sum(el[x] for x in sites) + el["final_norm"] * (not s.capture_sites) + el["logits"]
+    mb = (4 + (8 if s.reference == "float64" else 4)) * s.n_seqs * n_tok * per_tok / 2**20
     if mb > s.memory_budget_mb:
         raise MambaDebugError(
             f"capturing every site would keep about {mb:.0f} MB of tensors, over the {s.memory_budget_mb:.0f} MB "

@@ -7,10 +7,27 @@ is always a divergence and is reported where it was born.
 
 Metrics are computed where the reference tensor lives (the device tensor is moved there if needed) and
 returned there: with the reference sides on a GPU only these [S, T] results ever cross to the host.
+
+What runs where:
+* reference on the CPU (the default, `ref_device="cpu"`): `site_errors` is `_site_errors_torch`, plain torch
+  ops in float64 on the CPU, as always.
+* reference on a GPU (`ref_device="cuda"`): `site_errors` is `fused_site_errors`, one Triton kernel
+  (`_site_metrics.py`, compiled for CUDA) that reads dev and ref once in their own dtypes and strides and sums in
+  float64 inside the kernel; the torch version made ~10 float64 passes over every site, 14x an untraced 2.8B
+  prefill. Same values up to the rounding of the float64 sums (their order differs); if the kernel fails that is
+  an error, never a quiet switch to the torch version. Without Triton installed the torch version runs there.
+* `fused_site_errors` on CPU tensors runs the same kernel under Triton's interpreter: how the tests check it
+  against `_site_errors_torch` on a machine without a GPU (slow; never used by the engine on the CPU).
+* `logit_stats` and `perplexity` are torch ops wherever the reference is (one [S, T, V] tensor per ubatch).
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -18,7 +35,57 @@ METRICS = ("rel_l2", "max_abs", "nmse", "cosine")
 
 
 def site_errors(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
-    """dev, ref [S, T, ...] -> each metric as [S, T] (float64, on ref's device)."""
+    """dev, ref [S, T, ...] -> each metric as [S, T] (float64, on ref's device).
+
+    A CUDA ref: the fused Triton kernel (`fused_site_errors`); otherwise the torch version. See the module
+    docstring."""
+    if ref.is_cuda and _have_triton():
+        return fused_site_errors(dev, ref)
+    return _site_errors_torch(dev, ref)
+
+
+def fused_site_errors(dev: torch.Tensor, ref: torch.Tensor, config: dict | None = None) -> dict[str, torch.Tensor]:
+    """`site_errors` by the fused Triton kernel: compiled for a CUDA ref, under Triton's interpreter for a CPU one
+    (tests). config: the kernel's cut (`_site_metrics.plan`), for tests and benchmarks."""
+    return _fused_module(interpret=not ref.is_cuda).site_errors_fused(dev, ref, config)
+
+
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_module(interpret: bool):
+    """_site_metrics.py executed for one mode, once per process (like a kernel plug-in, mamba_debug.plugins):
+    triton.jit reads TRITON_INTERPRET when the file runs, so it is set for that moment and then restored.
+    Triton fixes its own library's mode at its first import. The interpreted copy works with either, so it imports
+    triton under the process's own setting; the compiled copy needs a compiled library, so if triton is not
+    imported yet it is imported with TRITON_INTERPRET=0 (already imported interpreted: the file raises ImportError)."""
+    if interpret:
+        import triton  # noqa: F401, PLC0415
+    path = Path(__file__).with_name("_site_metrics.py")
+    name = f"mamba_debug._site_metrics_{'interpret' if interpret else 'cuda'}"
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module       # triton needs the module to be findable
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference implementation of `site_errors` in plain torch float64 ops (what runs on the CPU)."""
     a = dev.detach().to(ref.device, torch.float64).reshape(dev.shape[0], dev.shape[1], -1)
     b = ref.detach().to(torch.float64).reshape(ref.shape[0], ref.shape[1], -1)
     diff = a - b

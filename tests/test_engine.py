@@ -147,6 +147,26 @@ def test_bad_settings_are_clear_errors(model):
         _run(model, memory_budget_mb=0.01)
 
 
+@pytest.mark.parametrize("reference,nbytes", [("float32", 4 + 4), ("float64", 4 + 8)])
+def test_memory_estimate_matches_the_kept_trace(model, reference, nbytes):
+    """The budget check counts what capture='all' really keeps (both sides, every site, the head): the estimate
+    is the kept trace but for the conv states (one row per ubatch, not per token), and it refuses just below."""
+    from mamba_debug.compare import _check_budget, site_elements
+    from mamba_debug.model import LAYER_SITES
+    res = _run(model, capture="all", n_seqs=2, reference=reference)
+    kept = sum(t.numel() * t.element_size() for t in res.trace.values())
+    c, n_tok = model.config, res.tokens.shape[1]
+    el = site_elements(c)
+    estimate = nbytes * 2 * n_tok * (c.n_layer * sum(el[s] for s in LAYER_SITES) + el["final_norm"] + el["logits"])
+    n_ubatches = -(-len(PROMPT) // 4) + 4                       # the prompt in ubatches of 4, then 4 generated
+    conv_state_rows = nbytes * 2 * c.n_layer * (c.d_conv - 1) * c.d_inner * n_ubatches
+    assert kept == estimate + conv_state_rows
+    settings = dict(capture="all", n_seqs=2, reference=reference)
+    _check_budget(model, CompareSettings(**settings, memory_budget_mb=1.01 * estimate / 2**20), n_tok)
+    with pytest.raises(MambaDebugError, match="budget"):
+        _check_budget(model, CompareSettings(**settings, memory_budget_mb=0.99 * estimate / 2**20), n_tok)
+
+
 def test_crashing_plugin_is_a_clear_error(model, plugin):
     crash = plugin('def ssm_conv(*a):\n    raise IndexError("oops")\nOPS = {"ssm_conv": ssm_conv}\n')
     with pytest.raises(PluginError, match=r"op ssm_conv\(.*raised IndexError: oops"):

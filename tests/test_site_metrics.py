@@ -1,0 +1,295 @@
+"""The fused site-metrics kernel (mamba_debug/_site_metrics.py) against the torch version it replaces on a GPU.
+
+On the CPU the kernel runs under Triton's interpreter: every index, stride, mask and split of it is checked here
+against `metrics._site_errors_torch` (float64 metrics to 1e-12 relative, NaN/inf patterns exactly). On a GPU
+machine run it again compiled: `MAMBA_DEBUG_TEST_DEVICE=cuda python3 -m pytest tests/test_site_metrics.py`
+(one device per run, as tests/test_triton_kernels.py).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mamba_debug import metrics
+from mamba_debug.metrics import METRICS, _site_errors_torch, fused_site_errors, site_errors
+
+DEVICE = os.environ.get("MAMBA_DEBUG_TEST_DEVICE", "interpret")    # "interpret" or "cuda"
+TORCH_DEVICE = "cuda" if DEVICE == "cuda" else "cpu"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("MAMBA_DEBUG_TEST_DEVICE=cuda but no GPU", allow_module_level=True)
+
+RTOL = 1e-12
+NAN, INF = float("nan"), float("inf")
+# Cuts of the kernel besides its own plan: several rows per program (with a masked last program), short steps
+# (a row crosses step boundaries, the last step masked) and rows split into pieces (the combine kernel).
+CUTS = [None, dict(BLOCK_X=64, ROWS=4, SPLIT=3, num_warps=1)]
+CUT_IDS = ["plan", "rows4-step64-split3"]
+
+
+def assert_same(got: dict, want: dict):
+    assert set(got) == set(want) == set(METRICS)
+    for m in METRICS:
+        g, w = got[m], want[m]
+        assert g.dtype == torch.float64 and g.shape == w.shape and g.device == w.device, (m, g.shape, w.shape)
+        g, w = g.cpu(), w.cpu()
+        for pattern in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(pattern(g), pattern(w)), (m, pattern.__name__, g, w)
+        fin = torch.isfinite(w)
+        if m == "max_abs":            # a max does not depend on the order: exact
+            assert torch.equal(g[fin], w[fin]), (m, g, w)
+        else:
+            err = (g[fin] - w[fin]).abs() / w[fin].abs()
+            assert torch.all((g[fin] == w[fin]) | (err <= RTOL)), (m, float(err.max()), g, w)
+
+
+def check(dev, ref, cut=None):
+    got = fused_site_errors(dev, ref, config=cut)
+    assert_same(got, _site_errors_torch(dev, ref))
+    return got
+
+
+def rand(*shape, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def near(ref, seed=1, scale=1e-3, dtype=torch.float32):
+    """A device result: the reference with a small relative error, in the device's dtype."""
+    r = ref.double()
+    return (r * (1 + scale * rand(*ref.shape, seed=seed).to(r.device))).to(dtype)
+
+
+def on(*ts):
+    return [t.to(TORCH_DEVICE) for t in ts]
+
+
+# %% values
+
+@pytest.mark.parametrize("cut", CUTS, ids=CUT_IDS)
+@pytest.mark.parametrize("X", [1, 7, 1000])
+def test_float32_device_against_float64_reference(X, cut):
+    ref = rand(3, 5, X)
+    ref[0, 0] *= 1e-30                 # tiny and huge rows: the float64 sums must not underflow or overflow
+    ref[1, 1] *= 1e30
+    dev, ref = on(near(ref), ref)
+    out = check(dev, ref, cut)
+    assert float(out["rel_l2"].min()) > 1e-6 and (X == 1 or float(out["cosine"].max()) < 1)
+
+
+@pytest.mark.parametrize("cut", CUTS, ids=CUT_IDS)
+def test_identical_values_give_zero_errors_and_cosine_one(cut):
+    ref = rand(2, 3, 300)
+    dev, ref = on(ref.clone(), ref)
+    out = check(dev, ref, cut)
+    assert out["rel_l2"].eq(0).all() and out["max_abs"].eq(0).all() and out["nmse"].eq(0).all()
+    assert torch.allclose(out["cosine"], torch.ones_like(out["cosine"]), rtol=0, atol=1e-15)
+    f32 = ref.float()                  # float32 vs itself, as a site against a shared host block
+    out = check(f32, f32, cut)
+    assert out["rel_l2"].eq(0).all()
+
+
+@pytest.mark.parametrize("cut", CUTS, ids=CUT_IDS)
+def test_non_finite_values(cut):
+    ref = rand(2, 6, 100)
+    dev = near(ref, dtype=torch.float64)
+    dev[0, 0, 5] = NAN                                   # NaN in dev, finite ref: inf errors, NaN cosine
+    dev[0, 1, 99] = INF                                  # the last element of a row
+    dev[0, 2, 0] = -INF
+    dev[0, 3, 7], ref[0, 3, 7] = NAN, NAN                # NaN in both: as torch does (not a divergence)
+    ref[0, 4, 50] = NAN                                  # NaN in ref only
+    dev[0, 5, 3], ref[0, 5, 3] = INF, INF                # the same inf on both sides: NaN cosine, no divergence
+    dev[1, 0, 1], ref[1, 0, 2] = INF, -INF               # inf on both sides, elsewhere
+    dev[1, 1, 4] = 1e300                                 # finite, but its square overflows (float64 dev)
+    dev, ref = on(dev, ref)
+    check(dev, ref, cut)
+    out = check(dev.float(), ref, cut)                   # float32 dev (1e300 becomes inf there)
+    assert out["rel_l2"][0, :3].isposinf().all() and out["cosine"][0, :3].isnan().all()
+    assert out["max_abs"][0, :3].isposinf().all() and out["nmse"][0, :3].isposinf().all()
+    assert torch.isfinite(out["rel_l2"][1, 2:]).all()
+
+
+@pytest.mark.parametrize("cut", CUTS, ids=CUT_IDS)
+def test_zero_rows(cut):
+    ref = rand(1, 4, 50)
+    dev = near(ref)
+    ref[0, 0] = 0                                        # ref zero, dev zero: 0 errors, cosine 1
+    dev[0, 0] = 0
+    ref[0, 1] = 0                                        # ref zero, dev not: inf rel/nmse, max |dev|, cosine 1
+    dev[0, 2] = 0                                        # dev zero, ref not: rel 1, cosine 1
+    ref[0, 3, :10] = 0                                   # partly zero
+    dev, ref = on(dev, ref)
+    out = check(dev, ref, cut)
+    assert out["rel_l2"][0, 0] == 0 and out["cosine"][0, 0] == 1 and out["max_abs"][0, 0] == 0
+    assert out["rel_l2"][0, 1] == INF and out["nmse"][0, 1] == INF and out["cosine"][0, 1] == 1
+    assert out["max_abs"][0, 1] == dev[0, 1].abs().max().double()
+    assert out["rel_l2"][0, 2] == 1 and out["cosine"][0, 2] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_device_dtypes(dtype):
+    ref = rand(2, 3, 257)
+    dev, ref = on(near(ref, scale=1e-2, dtype=dtype), ref)
+    check(dev, ref)
+    check(ref.float(), dev)                              # and as the reference side (the floor: f32 vs f64)
+
+
+# %% layouts
+
+@pytest.mark.parametrize("cut", CUTS, ids=CUT_IDS)
+def test_views_are_read_through_their_strides(cut):
+    big = on(rand(3, 10, 40))[0]
+    base = on(rand(3, 5, 16))[0]
+    ref = big[:, ::2, 3:19]                              # [3, 5, 16] slice: strides (400, 80, 1), offset 3
+    dev = near(base).to(TORCH_DEVICE)
+    check(dev, ref, cut)
+    check(ref, dev, cut)
+    ref2 = base.expand(2, 3, 5, 16)[:, 1]                # an expanded (stride 0) dim
+    check(near(ref2.contiguous()).to(TORCH_DEVICE), ref2, cut)
+
+
+@pytest.mark.parametrize("cut", CUTS, ids=CUT_IDS)
+def test_transposed_trailing_dims(cut):
+    states = on(rand(2, 3, 16, 6))[0]                     # [S, T, D, N] per-token states
+    ref = states.transpose(-1, -2)                       # [S, T, N, D]: two strided runs per row, no copy
+    dev = near(ref.contiguous()).to(TORCH_DEVICE)
+    check(dev, ref, cut)
+    check(ref, dev, cut)
+    weird = on(rand(2, 3, 4, 5, 6))[0].permute(0, 1, 4, 2, 3)   # three runs: copied once, same values
+    check(near(weird.contiguous()).to(TORCH_DEVICE), weird, cut)
+    flat = on(rand(2, 3, 96))[0]                        # same elements, other trailing shape (reshape semantics)
+    check(near(flat).view(2, 3, 16, 6), flat, cut)
+
+
+@pytest.mark.parametrize("cut", CUTS, ids=CUT_IDS)
+def test_state_at_the_end_of_a_ubatch_and_scalar_sites(cut):
+    """The engine's per_token=False values: v[:, None], one row per sequence; and a [S, T] tensor: X = 1."""
+    cache = on(rand(4, 12, 8))[0]                         # a state cache; slots 1..3 are the sequences
+    ref = cache[1:][:, None]                              # [3, 1, 12, 8]
+    dev = near(ref.contiguous()).to(TORCH_DEVICE)
+    check(dev, ref, cut)
+    st = on(rand(3, 11))[0]                               # [S, T]
+    check(near(st).to(TORCH_DEVICE), st, cut)
+    check(near(st).to(TORCH_DEVICE).t().contiguous().t(), st, cut)
+
+
+def test_long_rows_cross_the_interpreters_block():
+    ref = rand(1, 2, 20000)                               # the interpreter's steps are 16384 elements
+    dev, ref = on(near(ref), ref)
+    check(dev, ref)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 5120 * 16), (3, 8, 5120), (2, 40, 16)])
+def test_the_gpu_plans(shape):
+    """The cuts an H200 (132 SMs) gets, run here too: a state at the end of a ubatch in 80 pieces per row, a few
+    long rows in pieces, short rows packed per program."""
+    plan = metrics._fused_module(interpret=DEVICE != "cuda").plan
+    S, T, X = shape
+    cut = plan(S * T, X, 132)
+    assert cut["ROWS"] * cut["BLOCK_X"] <= 1024 and cut["BLOCK_X"] & (cut["BLOCK_X"] - 1) == 0
+    assert (cut["SPLIT"] > 1) == (S * T < 132 and X > cut["BLOCK_X"])
+    ref = rand(S, T, X)
+    dev, ref = on(near(ref), ref)
+    check(dev, ref, cut)
+
+
+def test_deterministic_and_empty():
+    ref = rand(2, 3, 500)
+    dev, ref = on(near(ref), ref)
+    cut = CUTS[1]
+    a, b = fused_site_errors(dev, ref, config=cut), fused_site_errors(dev, ref, config=cut)
+    for m in METRICS:
+        assert torch.equal(a[m], b[m])
+    empty = on(torch.zeros(0, 3, 5))[0]
+    out = fused_site_errors(empty, empty)
+    assert all(v.shape == (0, 3) and v.dtype == torch.float64 for v in out.values())
+
+
+def test_bad_shapes_are_errors():
+    ref = on(rand(2, 3, 4))[0]
+    with pytest.raises(ValueError, match="same S, T"):
+        fused_site_errors(ref[:, :2], ref)
+    with pytest.raises(ValueError, match="same S, T"):
+        fused_site_errors(ref[..., :3], ref)
+    with pytest.raises(ValueError, match="no elements"):
+        fused_site_errors(ref[..., :0], ref[..., :0])
+
+
+# %% which implementation runs where
+
+def test_site_errors_on_the_cpu_is_the_torch_version():
+    if DEVICE == "cuda":
+        pytest.skip("CPU dispatch: checked by the CPU run")
+    ref = rand(2, 3, 10)
+    dev = near(ref)
+    got, want = site_errors(dev, ref), _site_errors_torch(dev, ref)
+    for m in METRICS:
+        assert torch.equal(got[m], want[m])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU run checks this (MAMBA_DEBUG_TEST_DEVICE=cuda)")
+def test_site_errors_on_a_gpu_is_the_kernel():
+    ref = rand(2, 3, 500).cuda()
+    dev = near(ref)
+    got, fused = site_errors(dev, ref), fused_site_errors(dev, ref)
+    assert all(torch.equal(got[m], fused[m]) for m in METRICS)
+    assert_same(got, _site_errors_torch(dev, ref))
+    host = dev.cpu()                                      # dev on the host, ref on the GPU: moved there, as before
+    assert_same(site_errors(host, ref), _site_errors_torch(host, ref))
+
+
+class _FakeCuda(torch.Tensor):
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_a_cuda_reference_takes_the_kernel_and_its_failure_is_an_error(monkeypatch):
+    """No quiet fallback to the torch version: a failing kernel on a CUDA reference raises."""
+    calls = []
+
+    class Broken:
+        @staticmethod
+        def site_errors_fused(dev, ref, config=None):
+            calls.append(config)
+            raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(metrics, "_fused_module", lambda interpret: Broken)
+    monkeypatch.setattr(metrics, "_have_triton", lambda: True)
+    ref = torch.Tensor._make_subclass(_FakeCuda, rand(1, 2, 3))
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        site_errors(rand(1, 2, 3), ref)
+    assert calls == [None]
+
+
+def test_copies_and_triton_modes():
+    """The interpreted copy works in a process whose triton was imported compiled (a GPU machine checking it on
+    CPU tensors); loading a copy leaves TRITON_INTERPRET as it was; the compiled copy loads (no GPU needed)."""
+    if DEVICE == "cuda":
+        pytest.skip("checked by the CPU run")
+    code = """
+import os, torch, triton
+from mamba_debug.metrics import _fused_module, fused_site_errors, _site_errors_torch
+assert triton.language.standard._sum_combine.__class__.__name__ == "JITFunction"
+ref = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(1, 2, 12)
+dev = (ref + 1e-3).float()
+got, want = fused_site_errors(dev, ref), _site_errors_torch(dev, ref)
+assert all(torch.allclose(got[m], want[m], rtol=1e-12, atol=0) for m in want), (got, want)
+assert "TRITON_INTERPRET" not in os.environ
+cuda = _fused_module(False)
+assert not cuda.INTERPRET and _fused_module(True).INTERPRET and "TRITON_INTERPRET" not in os.environ
+try:
+    cuda.site_errors_fused(dev, ref)
+except ValueError as exc:
+    assert "built for CUDA" in str(exc)
+else:
+    raise AssertionError("the compiled copy took CPU tensors")
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
