@@ -15,7 +15,7 @@ What runs where:
   (`_site_metrics.py`, compiled for CUDA) that reads dev and ref once in their own dtypes and strides and sums in
   float64 inside the kernel; the torch version made ~10 float64 passes over every site, 14x an untraced 2.8B
   prefill. Same values up to the rounding of the float64 sums (their order differs); if the kernel fails that is
-  an error, never a quiet switch to the torch version. Without Triton installed the torch version runs there.
+  an error, never a quiet switch to the torch version (Triton is a requirement of the package).
 * `fused_site_errors` on CPU tensors runs the same kernel under Triton's interpreter: how the tests check it
   against `_site_errors_torch` on a machine without a GPU (slow; never used by the engine on the CPU).
 * `logit_stats` and `perplexity` are torch ops wherever the reference is (one [S, T, V] tensor per ubatch).
@@ -39,7 +39,7 @@ def site_errors(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]
 
     A CUDA ref: the fused Triton kernel (`fused_site_errors`); otherwise the torch version. See the module
     docstring."""
-    if ref.is_cuda and _have_triton():
+    if ref.is_cuda:
         return fused_site_errors(dev, ref)
     return _site_errors_torch(dev, ref)
 
@@ -48,11 +48,6 @@ def fused_site_errors(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     """`site_errors` by the fused Triton kernel: compiled for a CUDA ref, under Triton's interpreter for a CPU one
     (tests). config: the kernel's cut (`_site_metrics.plan`), for tests and benchmarks."""
     return _fused_module(interpret=not ref.is_cuda).site_errors_fused(dev, ref, config)
-
-
-@functools.lru_cache(maxsize=None)
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -257,7 +257,6 @@ def test_a_cuda_reference_takes_the_kernel_and_its_failure_is_an_error(monkeypat
             raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(metrics, "_fused_module", lambda interpret: Broken)
-    monkeypatch.setattr(metrics, "_have_triton", lambda: True)
     ref = torch.Tensor._make_subclass(_FakeCuda, rand(1, 2, 3))
     with pytest.raises(RuntimeError, match="kernel exploded"):
         site_errors(rand(1, 2, 3), ref)
