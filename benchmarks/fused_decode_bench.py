@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import statistics
@@ -43,6 +42,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from mamba_debug import ops  # noqa: E402
+from mamba_debug.plugins import exec_file  # noqa: E402
 
 D_INNER, D_STATE, D_CONV, DT_RANK = 5120, 16, 4, 160          # a 2.8B layer (d_model 2560)
 BATCHES = (1, 8, 64)
@@ -60,12 +60,7 @@ class Wedged(RuntimeError):
 def _load(name: str, path: Path):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: this benchmark compiles the kernels for the GPU")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules.get(name) or exec_file(path, name)
 
 
 def kernels():

@@ -12,7 +12,7 @@ Part 4  the same with the reference sides on the CPU (the default), over a short
 Run on the GPU machine:  TRITON_INTERPRET=0 python3 benchmarks/gpu_e2e.py          (about 3-4 minutes)
 Check it on a CPU:       python3 benchmarks/gpu_e2e.py --small    (4 layers, d_model 256, 256 tokens, Triton's
                          interpreter; the CUDA-only measurements are skipped and say so)
-Writes $OUT/gpu_e2e.json and $OUT/gpu_e2e.md ($OUT defaults to benchmarks/results). Each part records its error
+Writes $OUT/gpu_e2e.json and $OUT/gpu_e2e.md ($OUT defaults to benchmarks/results; with --small, out/benchmarks-small). Each part records its error
 in the JSON and the script goes on, so one failure does not lose the other measurements.
 """
 from __future__ import annotations
@@ -50,6 +50,8 @@ from mamba_debug.ops import OpTable  # noqa: E402
 from mamba_debug.weights import expected_shapes  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+# --small (a check on a CPU) never overwrites the recorded GPU figures unless $OUT says where to write
+SMALL_OUT = Path(os.environ.get("OUT", ROOT / "out" / "benchmarks-small"))
 TODAY = datetime.date.today().isoformat()
 GB = 1e9
 T0 = time.perf_counter()
@@ -491,7 +493,8 @@ def main(argv=None):
     trace_ub = args.trace_ubatch or (64 if args.small else 512)
     device = "cuda" if CUDA else "interpret"
     parts = set(args.parts.split(","))
-    OUT.mkdir(parents=True, exist_ok=True)
+    out_dir = SMALL_OUT if args.small else OUT
+    out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     log(f"{'small' if args.small else '2.8B-shaped'} Mamba-1: {param_count(cfg) / 1e9:.2f}B weights "
         f"(lm_head counted), device {device}, torch {torch.__version__}, TF32 matmul "
@@ -550,11 +553,11 @@ def main(argv=None):
            "gpu": torch.cuda.get_device_name() if CUDA else None, "model": repr(model), "config": cfg.to_dict(),
            "prompt_tokens": n_tok, "n_gen": n_gen, "trace_ubatch": trace_ub, "e2e_ubatch": e2e_ub,
            "wall_s": time.perf_counter() - T0, "rows": rows, "errors": [r for r in rows if "error" in r]}
-    (OUT / "gpu_e2e.json").write_text(json.dumps(out, indent=1, default=str))
+    (out_dir / "gpu_e2e.json").write_text(json.dumps(out, indent=1, default=str))
     md = markdown(rows)
-    (OUT / "gpu_e2e.md").write_text(f"# gpu_e2e.py, {TODAY}: {repr(model)}, {out['gpu'] or 'no GPU'}\n\n" + md)
+    (out_dir / "gpu_e2e.md").write_text(f"# gpu_e2e.py, {TODAY}: {repr(model)}, {out['gpu'] or 'no GPU'}\n\n" + md)
     print("\n" + md, flush=True)
-    log(f"wrote {OUT / 'gpu_e2e.json'} and {OUT / 'gpu_e2e.md'}; {len(out['errors'])} error(s)")
+    log(f"wrote {out_dir / 'gpu_e2e.json'} and {out_dir / 'gpu_e2e.md'}; {len(out['errors'])} error(s)")
     return 1 if out["errors"] else 0
 
 

@@ -10,7 +10,7 @@ other cuts of the kernel (block, warps, pieces per row) on the big shapes: the b
 
 Run on the GPU machine:  python3 benchmarks/site_metrics_bench.py            (about a minute)
 Check it on a CPU:       python3 benchmarks/site_metrics_bench.py --small    (T = 8, Triton's interpreter)
-Prints a table; writes $OUT/site_metrics_bench.json ($OUT defaults to benchmarks/results).
+Prints a table; writes $OUT/site_metrics_bench.json ($OUT defaults to benchmarks/results; with --small, out/benchmarks-small).
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 from mamba_debug.metrics import METRICS, _fused_module, _site_errors_torch, fused_site_errors  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+# --small (a check on a CPU) never overwrites the recorded GPU figures unless $OUT says where to write
+SMALL_OUT = Path(os.environ.get("OUT", ROOT / "out" / "benchmarks-small"))
 E, D, N = 2560, 5120, 16
 
 # (what, trailing shape, per_token): per_token=False is a value taken once per ubatch, passed as v[:, None]
@@ -242,13 +244,14 @@ def main(argv=None) -> int:
     rows = bench_rows(date, T=T, reps=args.reps if CUDA else 1, sweep=not args.no_sweep)
     md = markdown(rows)
     print("\n" + md, flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "site_metrics_bench.json").write_text(json.dumps(
+    out_dir = SMALL_OUT if args.small else OUT
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "site_metrics_bench.json").write_text(json.dumps(
         {"date": date, "gpu": torch.cuda.get_device_name() if CUDA else None, "torch": torch.__version__,
          "T": T, "rows": rows}, indent=1, default=str))
-    (OUT / "site_metrics_bench.md").write_text(f"# site_metrics_bench.py, {date}\n\n" + md)
+    (out_dir / "site_metrics_bench.md").write_text(f"# site_metrics_bench.py, {date}\n\n" + md)
     bad = [r for r in rows if not r.get("ok", False)]
-    print(f"wrote {OUT / 'site_metrics_bench.json'} and .md; {len(bad)} row(s) not ok")
+    print(f"wrote {out_dir / 'site_metrics_bench.json'} and .md; {len(bad)} row(s) not ok")
     return 1 if bad else 0
 
 

@@ -23,13 +23,13 @@ What runs where:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
+
+from .plugins import exec_file
 
 METRICS = ("rel_l2", "max_abs", "nmse", "cosine")
 
@@ -64,19 +64,12 @@ def _fused_module(interpret: bool):
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module       # triton needs the module to be findable
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
+        return exec_file(path, name)
     finally:
         if old is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old
-    return module
 
 
 def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -101,6 +101,21 @@ def load_kernels(name_or_path: str, device: str = "interpret") -> dict[str, Call
     return dict(load_plugin(name_or_path, device).ops)
 
 
+def exec_file(path: Path, module_name: str):
+    """Execute the Python file at `path` as module `module_name`, registered in sys.modules (dataclasses and triton
+    need the module to be findable) and removed again if it fails. Triton kernel files are executed this way, never
+    imported, so that each mode (interpreted, compiled) gets its own copy: the caller sets TRITON_INTERPRET first."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
 def _exec_plugin(path: Path, device: str) -> Plugin:
     # Triton reads TRITON_INTERPRET when a kernel is defined and again at launch (and fixes its own library's
     # mode at first import), so the variable stays set for the rest of the process rather than being restored.
@@ -108,12 +123,8 @@ def _exec_plugin(path: Path, device: str) -> Plugin:
     mod_name = f"mamba_debug_plugin_{path.stem}_{device}"
     _LOADING_DEVICE.append(device)
     try:
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module   # dataclasses and triton need the module to be findable
-        spec.loader.exec_module(module)
+        module = exec_file(path, mod_name)
     except Exception as exc:
-        sys.modules.pop(mod_name, None)
         raise PluginError(f"plug-in {path}: failed to load ({type(exc).__name__}: {exc})") from exc
     finally:
         _LOADING_DEVICE.pop()

@@ -10,7 +10,6 @@ states are non-zero, A and dt_bias have Mamba's scales, and a few channels have 
 Shapes are awkward on purpose: D never a multiple of a block, N = 12 padded to 16, K = 3 and 4, R not a power of
 two. Errors are NMSE = sum((a - b)^2) / sum(b^2) against float64, at tests/test_triton_kernels.py's bar.
 """
-import importlib.util
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from conftest import random_model
+from mamba_debug.plugins import exec_file
 
 DEVICE = os.environ.get("MAMBA_DEBUG_TEST_DEVICE", "interpret")    # "interpret" or "cuda"
 TORCH_DEVICE = "cuda" if DEVICE == "cuda" else "cpu"
@@ -35,12 +35,7 @@ def _load():
     and at launch; conftest.py sets it for the interpreter)."""
     os.environ["TRITON_INTERPRET"] = "0" if DEVICE == "cuda" else "1"
     name = f"mamba_debug_fused_decode_{DEVICE}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, KERNEL)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules.get(name) or exec_file(KERNEL, name)
 
 
 fd = _load()
