@@ -11,7 +11,7 @@ Glossary (shapes in docstrings and comments use these letters):
     K  d_conv, width of the causal depthwise convolution
     R  dt_rank, rank of the dt projection
     V  vocabulary size (as stored, possibly padded)
-    L  n_layer, number of Mamba blocks
+    L  n_layer, number of blocks (layers)
 
 States per layer and sequence: conv_state [K-1, D] (the previous K-1 inputs x, oldest first) and
 ssm_state [D, N] (h after the last processed token).
@@ -49,5 +49,14 @@ class MambaConfig:
         if self.d_conv < 2:
             raise ValueError(f"MambaConfig.d_conv must be at least 2, got {self.d_conv}")
 
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """The layer type of each block, by name in `arch.LAYER_TYPES` (a hybrid mixes several)."""
+        return ("mamba1",) * self.n_layer
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# The name the architecture-agnostic code uses; `MambaConfig` stays for existing callers.
+ModelConfig = MambaConfig

@@ -1,0 +1,62 @@
+"""Layer types by name, and what a whole model's config implies: site order, parameter shapes, site sizes."""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..errors import MambaDebugError
+from .base import MODEL_SITES, LayerContext, LayerType, SiteKey, StateSpec
+from .mamba1 import Mamba1
+
+LAYER_TYPES: dict = {"mamba1": Mamba1()}
+
+
+def layer_type(cfg: ModelConfig, i: int) -> LayerType:
+    name = cfg.layer_types[i]
+    if name not in LAYER_TYPES:
+        raise MambaDebugError(f"layer {i} has type {name!r}, which mamba-debug does not know; "
+                              f"known: {', '.join(LAYER_TYPES)}")
+    return LAYER_TYPES[name]
+
+
+def layer_sites(cfg: ModelConfig) -> tuple:
+    """Every site name a block of this model can report, in graph order (the union over its layer types)."""
+    out = []
+    for name in dict.fromkeys(cfg.layer_types):
+        out += [s for s in LAYER_TYPES[name].sites if s not in out]
+    return tuple(out)
+
+
+def all_sites(cfg: ModelConfig) -> tuple:
+    return layer_sites(cfg) + MODEL_SITES
+
+
+def site_order(cfg: ModelConfig) -> list:
+    """(layer, site) keys in graph order: layers ascending, each in its type's order, then the model-level sites."""
+    keys = [(i, s) for i in range(cfg.n_layer) for s in layer_type(cfg, i).sites]
+    return keys + [(None, s) for s in MODEL_SITES]
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Canonical name -> shape of every parameter the config implies (what every loader checks against)."""
+    E, V = cfg.d_model, cfg.vocab_size
+    shapes = {"embed": (V, E), "norm_f": (E,), "lm_head": (V, E)}
+    for i in range(cfg.n_layer):
+        shapes.update({f"layers.{i}.{k}": v for k, v in layer_type(cfg, i).param_shapes(cfg).items()})
+    return shapes
+
+
+def site_elements(cfg: ModelConfig) -> dict:
+    """Elements per token and sequence of each layer site (the largest over the layer types) and the head's."""
+    out: dict = {}
+    for name in dict.fromkeys(cfg.layer_types):
+        for k, v in LAYER_TYPES[name].site_elements(cfg).items():
+            out[k] = max(out.get(k, 0), v)
+    return {**out, "final_norm": cfg.d_model, "logits": cfg.vocab_size}
+
+
+def layer_site_elements(cfg: ModelConfig) -> list:
+    """Per layer: its site -> elements per token and sequence."""
+    return [layer_type(cfg, i).site_elements(cfg) for i in range(cfg.n_layer)]
+
+
+__all__ = ["LAYER_TYPES", "MODEL_SITES", "LayerContext", "LayerType", "SiteKey", "StateSpec", "all_sites",
+           "layer_site_elements", "layer_sites", "layer_type", "param_shapes", "site_elements", "site_order"]

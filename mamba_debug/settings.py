@@ -1,0 +1,154 @@
+"""One `RunSettings`: every knob of a comparison, each default written once, one validation, one `Placement`.
+
+The command line builds its flags from the fields' metadata (`cli.add_settings_flags`); the dashboard and notebooks
+build `RunSettings` directly; a sweep cell is `replace(base, offload=o, ubatch=u)`. Frozen and hashable, so the
+dashboard's cache key is simply (prompt, settings).
+
+`ubatch` keeps today's meaning here: tokens of each sequence per ubatch (DESIGN.md's llama.cpp meaning, tokens across
+all sequences, comes with the llama.cpp side; see docs/architecture.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .arch import all_sites
+from .config import ModelConfig
+from .errors import MambaDebugError
+from .placement import RULES, Placement
+
+DEFAULT_UBATCH = 512
+DEVICES = ("cuda", "interpret", "cpu")
+REF_DEVICES = ("cpu", "cuda")
+REFERENCES = ("float32", "float64")
+CAPTURE_POLICIES = ("all", "sites", "metrics")
+# A site diverges when rel_l2(dev, ref) > K_FLOOR * max(floor, MIN_FLOOR) (trace.py): two float32 implementations
+# that differ only in the order of operations sit near 1-2x the floor; real bugs 100x-1e8x.
+K_FLOOR = 10.0
+
+
+def _flag(help: str, *, commands: str = "run", **kw) -> dict:
+    """Field metadata for the command line: the flag's help, which commands take it ("run": compare, sweep, bisect,
+    export-case; "compare": compare only; "point": every run command but sweep/bisect, which choose it themselves),
+    and argparse extras (type parser name, choices, flag name)."""
+    return {"help": help, "commands": commands, **kw}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    offload: Optional[int] = field(default=None, metadata=_flag(
+        "like -ngl: the last N blocks run on the device (default: all, head included)", commands="point",
+        parse="nonneg"))
+    ubatch: int = field(default=DEFAULT_UBATCH, metadata=_flag(f"like -ub (default {DEFAULT_UBATCH})", parse="positive"))
+    n_seqs: int = field(default=1, metadata=_flag("sequences processed together", parse="positive"))
+    n_gen: int = field(default=16, metadata=_flag("tokens generated after the prompt", parse="nonneg"))
+    kernels: str = field(default="triton", metadata=_flag(
+        "plug-in name in kernels/ or a .py path (torch: plain ops)"))
+    device: Optional[str] = field(default=None, metadata=_flag(
+        "where the device side runs (auto: cuda if a GPU exists, else the Triton interpreter)",
+        choices=("auto",) + DEVICES, cli_default="auto"))
+    reference: str = field(default="float32", metadata=_flag("reference side precision", choices=REFERENCES))
+    ref_device: str = field(default="cpu", metadata=_flag(
+        "where the reference sides run their plain torch ops (cuda: for big models; default cpu)", choices=REF_DEVICES))
+    rule: str = field(default="llama2024", metadata=_flag("-ngl placement rule", choices=RULES))
+    k_floor: float = field(default=K_FLOOR, metadata=_flag("flag errors beyond k x the rounding floor", parse="float"))
+    capture: str = field(default="all", metadata=_flag(
+        "what to keep of the sites: all, sites (--layers/--sites), metrics (no tensors)", commands="compare",
+        choices=CAPTURE_POLICIES))
+    capture_layers: Optional[tuple] = field(default=None, metadata=_flag(
+        "capture only these layers (e.g. 0,3 or 2..5)", commands="compare", flag="--layers", parse="int_list"))
+    capture_sites: Optional[tuple] = field(default=None, metadata=_flag(
+        "capture only these sites (comma-separated names)", commands="compare", flag="--sites", parse="str_list"))
+    memory_budget_mb: float = field(default=2048.0, metadata=_flag(
+        "refuse to keep more captured tensors than this", commands="compare", parse="float"))
+    local: bool = field(default=False, metadata=_flag(
+        "also measure each device layer's own (local) error", commands="compare", parse="store_true"))
+    repeat: int = field(default=1, metadata=_flag(
+        ">= 2: run the device twice, report nondeterminism", commands="compare", parse="int"))
+    free_run: bool = True                # also let the device side generate on its own (text view); no flag
+
+    def __post_init__(self):
+        # lists given by callers become tuples: the settings must stay hashable
+        for name in ("capture_layers", "capture_sites"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+        if self.device == "auto":
+            object.__setattr__(self, "device", None)
+
+    def replace(self, **changes) -> "RunSettings":
+        return dataclasses.replace(self, **changes)
+
+    def validated(self, cfg: ModelConfig) -> "RunSettings":
+        """The one check of every field against the model; returns the settings with offload and device resolved
+        (offload None -> every block and the head, like -ngl 99; device None -> cuda or interpret)."""
+        if not isinstance(self.ubatch, int) or self.ubatch < 1:
+            raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {self.ubatch!r}")
+        if not isinstance(self.n_seqs, int) or self.n_seqs < 1:
+            raise MambaDebugError(f"n_seqs must be an integer >= 1, got {self.n_seqs!r}")
+        if not isinstance(self.n_gen, int) or self.n_gen < 0:
+            raise MambaDebugError(f"n_gen must be an integer >= 0, got {self.n_gen!r}")
+        resolve_ref_device(self.ref_device)
+        if self.reference not in REFERENCES + ("fp64",):
+            raise MambaDebugError(f"unknown reference precision {self.reference!r}: use float32 or float64")
+        if self.capture not in CAPTURE_POLICIES:
+            raise MambaDebugError(f"capture policy {self.capture!r} unknown: choose one of {CAPTURE_POLICIES}")
+        sites = all_sites(cfg)
+        for s in self.capture_sites or ():
+            if s not in sites:
+                raise MambaDebugError(f"unknown site name {s!r}; the sites are {', '.join(sites)}")
+        for layer in self.capture_layers or ():
+            if not 0 <= int(layer) < cfg.n_layer:
+                raise MambaDebugError(f"capture layer {layer} out of range 0..{cfg.n_layer - 1}")
+        if self.repeat < 1:
+            raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
+        if self.k_floor <= 1:
+            raise MambaDebugError(f"k_floor must be > 1 (a multiple of the rounding floor), got {self.k_floor}")
+        offload = cfg.n_layer + 1 if self.offload is None else self.offload
+        out = dataclasses.replace(self, offload=offload, device=resolve_device(self.device))
+        out.placement(cfg.n_layer)          # checks offload and rule
+        return out
+
+    def placement(self, n_layer: int) -> Placement:
+        """The one place a Placement is made (offload None: every block and the head)."""
+        return Placement(n_layer, n_layer + 1 if self.offload is None else self.offload, self.rule)
+
+    @property
+    def reference_is_float64(self) -> bool:
+        return self.reference in ("float64", "fp64")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for name in ("capture_layers", "capture_sites"):
+            if d[name] is not None:
+                d[name] = list(d[name])
+        return d
+
+
+# The name callers used before the restructure.
+CompareSettings = RunSettings
+
+
+def resolve_device(device: Optional[str]) -> str:
+    """'auto'/None picks cuda when a GPU exists, else the Triton interpreter. Never a silent fallback."""
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "interpret"
+    if device not in DEVICES:
+        raise MambaDebugError(f"unknown device {device!r}: choose one of {DEVICES}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MambaDebugError("device 'cuda' was asked for but torch sees no GPU; use --device interpret to run "
+                              "the same Triton kernels under Triton's interpreter on the CPU")
+    return device
+
+
+def resolve_ref_device(name: str) -> torch.device:
+    """Where the reference sides' torch ops run: 'cpu' (the default) or 'cuda'. No silent fallback either."""
+    if name not in REF_DEVICES:
+        raise MambaDebugError(f"unknown reference device {name!r}: choose cpu (the default) or cuda (the reference "
+                              f"sides' plain torch ops on the GPU)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MambaDebugError("reference device 'cuda' was asked for but torch sees no GPU; use --ref-device cpu")
+    return torch.device(name)

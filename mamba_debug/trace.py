@@ -1,0 +1,222 @@
+"""The trace: one comparison's result as pure data (`CompareResult`), its first divergence, and its file on disk.
+
+Nothing here runs a model: views, the JSON summary and `show` read a `CompareResult` without the engine. A trace
+file is one safetensors file: metrics, floors and captured tensors as tensors, everything else as versioned JSON
+in its metadata, so a run can be attached to a bug report and reopened with `load_trace`.
+
+Not observed: a side that does not report a site leaves it out of `observed[side]`; its errors are NaN, it has no
+threshold crossing, and it is never the first divergence (NaN > threshold is False).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .arch import MODEL_SITES
+from .errors import MambaDebugError
+from .placement import Placement
+from .settings import RunSettings
+
+TRACE_FORMAT = "mamba-debug-trace"
+TRACE_VERSION = 2          # 2: sides, observed and per-layer site lists in the file (1: a device label only)
+RESULT_VERSION = 1         # the JSON result's own version (DESIGN.md's keys; unchanged by the trace file's)
+# A site's threshold is k * max(floor, MIN_FLOOR): MIN_FLOOR (~8 float32 ulps) keeps a site whose float32 and float64
+# results happen to agree exactly from getting a zero threshold.
+MIN_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class SideInfo:
+    """One side of a comparison: its role, what really ran (in words), its kernels and its device (a field, never
+    parsed out of the label)."""
+    name: str                 # "ref32" | "ref64" | "device"
+    label: str
+    kernels: Optional[str]
+    device: str               # "cpu" | "interpret" | "cuda"
+    engine: str = "torch"
+
+
+@dataclass
+class TokenInfo:
+    token: int           # position in the sequence (prompt then generated)
+    ubatch: int
+    index_in_ubatch: int
+    ubatch_len: int
+    phase: str           # prompt | gen
+
+    @property
+    def position(self) -> str:
+        if self.token == 0:
+            return "first token of the prompt"
+        if self.index_in_ubatch == 0:
+            return "first of its ubatch (just after a boundary)"
+        return "inside its ubatch"
+
+
+@dataclass
+class CompareResult:
+    settings: RunSettings                          # validated: offload and device resolved
+    model_info: dict
+    placement: Placement
+    sides: dict                                    # role -> SideInfo ("device", "ref32", "ref64")
+    layer_sites: list                              # per layer: its site names in graph order
+    tokens: torch.Tensor                           # [S, P + G] fed to every side
+    n_prompt: int
+    token_info: list
+    errors: dict = field(default_factory=dict)     # (layer, site) -> {metric: [S, n_tok]}; NaN = not observed
+    floor: dict = field(default_factory=dict)      # (layer, site) -> [S, n_tok] rel_l2(ref32, ref64)
+    thresholds: dict = field(default_factory=dict)
+    observed: dict = field(default_factory=dict)   # side role -> frozenset of (layer, site) it reported
+    logits: dict = field(default_factory=dict)     # kld, top1, rms_dp: [S, n_tok]
+    trace: dict = field(default_factory=dict)      # (side, layer, site) -> [S, n_tok(or n_ub), ...]
+    trace_tokens: dict = field(default_factory=dict)  # (layer, site) -> token index of each captured row
+    local: dict = field(default_factory=dict)      # layer -> [S, n_tok] rel_l2 of resid with reference inputs
+    nondeterminism: Optional[dict] = None
+    generations: dict = field(default_factory=dict)
+    perplexity: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    first_divergence: Optional[dict] = None
+
+    @property
+    def n_layer(self) -> int:
+        return self.placement.n_layer
+
+    @property
+    def device(self) -> SideInfo:
+        return self.sides["device"]
+
+    @property
+    def device_label(self) -> str:
+        return self.sides["device"].label
+
+    def site_order(self) -> list:
+        """(layer, site) keys in graph order: layers ascending, then the model-level sites; only those compared."""
+        keys = [(i, s) for i, sites in enumerate(self.layer_sites) for s in sites] + [(None, s) for s in MODEL_SITES]
+        return [k for k in keys if k in self.errors]
+
+    def is_observed(self, key, side: str = "device") -> bool:
+        return key in self.observed.get(side, ())
+
+    def exceed(self, key) -> torch.Tensor:
+        """[S, n_tok] bool: where the site's error is beyond its threshold (NaN = not captured = False)."""
+        return self.errors[key]["rel_l2"] > self.thresholds[key]
+
+
+def thresholds_from_floor(floor: dict, k: float) -> dict:
+    out = {}
+    for key, f in floor.items():
+        finite = f[torch.isfinite(f)]
+        level = float(finite.max()) if finite.numel() else 0.0
+        out[key] = k * max(level, MIN_FLOOR)
+    return out
+
+
+def find_first_divergence(res: CompareResult) -> Optional[dict]:
+    """Earliest token; at that token the lowest layer (model-level sites last); then graph order.
+    A site the device side did not observe has NaN errors and can never be it."""
+    order = res.site_order()
+    exceed = {key: res.exceed(key) for key in order}
+    n_tok = res.tokens.shape[1]
+    for t in range(n_tok):
+        for key in order:
+            col = exceed[key][:, t]
+            if col.any():
+                errs = res.errors[key]["rel_l2"][:, t]
+                seq = int(torch.nonzero(col)[0])
+                info = res.token_info[t]
+                err = float(errs[seq])
+                layer, site = key
+                return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": info.ubatch,
+                        "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
+                        "error": err if math.isfinite(err) else "inf",
+                        "threshold": res.thresholds[key], "nan": not math.isfinite(err),
+                        "on_device": layer is not None and res.placement.on_device(layer)
+                        or layer is None and res.placement.head_on_device}
+    return None
+
+
+# -- trace files -------------------------------------------------------------------------------------
+def _key(k) -> str:
+    return ".".join("head" if p is None else str(p) for p in k)
+
+
+def _unkey(text: str):
+    return tuple(None if p == "head" else int(p) if p.isdigit() else p for p in text.split("."))
+
+
+def save_trace(res: CompareResult, path) -> Path:
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    tensors = {"tokens": res.tokens.contiguous()}
+    for k, m in res.errors.items():
+        for name, v in m.items():
+            tensors[f"err/{name}/{_key(k)}"] = v.contiguous()
+    tensors.update({f"floor/{_key(k)}": v.contiguous() for k, v in res.floor.items()})
+    tensors.update({f"logits/{k}": v.contiguous() for k, v in res.logits.items()})
+    tensors.update({f"trace/{_key(k)}": v.contiguous() for k, v in res.trace.items()})
+    tensors.update({f"local/{k}": v.contiguous() for k, v in res.local.items()})
+    meta = {"settings": res.settings.to_dict(), "model_info": res.model_info,
+            "sides": {k: dataclasses.asdict(v) for k, v in res.sides.items()},
+            "layer_sites": [list(s) for s in res.layer_sites],
+            "observed": {side: sorted(_key(k) for k in keys) for side, keys in res.observed.items()},
+            "placement": [res.placement.n_layer, res.placement.offload, res.placement.rule],
+            "n_prompt": res.n_prompt, "token_info": [t.__dict__ for t in res.token_info],
+            "thresholds": {_key(k): v for k, v in res.thresholds.items()},
+            "trace_tokens": {_key(k): v for k, v in res.trace_tokens.items()},
+            "nondeterminism": res.nondeterminism, "generations": res.generations,
+            "perplexity": res.perplexity, "timings": res.timings}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"format": TRACE_FORMAT, "version": str(TRACE_VERSION),
+                                            "result": json.dumps(meta, default=str)})
+    return path
+
+
+def load_trace(path) -> CompareResult:
+    from safetensors import safe_open  # noqa: PLC0415
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:
+        raise MambaDebugError(f"{path}: not a readable trace file ({exc})") from exc
+    if header.get("format") != TRACE_FORMAT:
+        raise MambaDebugError(f"{path}: not a mamba-debug trace (format {header.get('format')!r})")
+    if header.get("version") != str(TRACE_VERSION):
+        raise MambaDebugError(f"{path}: trace format version {header.get('version')} but this mamba-debug reads "
+                              f"version {TRACE_VERSION}; re-run the comparison with this version to get a new trace")
+    meta = json.loads(header["result"])
+    res = CompareResult(settings=RunSettings(**meta["settings"]), model_info=meta["model_info"],
+                        placement=Placement(*meta["placement"]),
+                        sides={k: SideInfo(**v) for k, v in meta["sides"].items()},
+                        layer_sites=[tuple(s) for s in meta["layer_sites"]],
+                        tokens=tensors["tokens"], n_prompt=meta["n_prompt"],
+                        token_info=[TokenInfo(**t) for t in meta["token_info"]])
+    for name, t in tensors.items():
+        kind, _, rest = name.partition("/")
+        if kind == "err":
+            metric, _, k = rest.partition("/")
+            res.errors.setdefault(_unkey(k), {})[metric] = t
+        elif kind == "floor":
+            res.floor[_unkey(rest)] = t
+        elif kind == "logits":
+            res.logits[rest] = t
+        elif kind == "trace":
+            res.trace[_unkey(rest)] = t
+        elif kind == "local":
+            res.local[int(rest)] = t
+    res.observed = {side: frozenset(_unkey(k) for k in keys) for side, keys in meta["observed"].items()}
+    res.thresholds = {_unkey(k): v for k, v in meta["thresholds"].items()}
+    res.trace_tokens = {_unkey(k): v for k, v in meta["trace_tokens"].items()}
+    res.nondeterminism, res.generations = meta["nondeterminism"], meta["generations"]
+    res.perplexity, res.timings = meta["perplexity"], meta["timings"]
+    res.first_divergence = find_first_divergence(res)
+    return res
