@@ -141,6 +141,18 @@ def find_first_divergence(res: CompareResult) -> Optional[dict]:
     return None
 
 
+def json_num(x: float):
+    """JSON has no inf/nan: write them as strings, keep finite floats."""
+    x = float(x)
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf" if x < 0 else "nan")
+
+
+def nanmax(t: torch.Tensor) -> float:
+    """Largest value that is not NaN (NaN: not observed / not captured); NaN if there is none."""
+    t = t[~torch.isnan(t)]
+    return float(t.max()) if t.numel() else math.nan
+
+
 # -- trace files -------------------------------------------------------------------------------------
 def _key(k) -> str:
     return ".".join("head" if p is None else str(p) for p in k)
