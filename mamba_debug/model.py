@@ -35,11 +35,13 @@ Hook = Callable[[Optional[int], str, torch.Tensor, bool], None]
 class MambaModel:
     """Weights (float64 masters), config and tokenizer; `logits` runs the reference back-end."""
 
-    def __init__(self, config: MambaConfig, params: dict[str, torch.Tensor], tokenizer=None, source: str = ""):
+    def __init__(self, config: MambaConfig, params: dict[str, torch.Tensor], tokenizer=None, source: str = "",
+                 notes=()):
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
-        self.source = source
+        self.source = source              # the path it was loaded from ("" in memory)
+        self.notes = list(notes)          # what the loader could not carry over (e.g. a tokenizer it did not rebuild)
         self._cast: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
