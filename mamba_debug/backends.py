@@ -2,7 +2,7 @@
 
 - `reference`: float64 torch ops on the CPU with the sequential scan: the ground truth.
 - `cpu`: float32 torch ops on the CPU: what a CPU port (llama.cpp's CPU back-end) computes.
-  Both can run their (plain torch) ops on a GPU instead (`resolve_ref_device`, the compare setting
+  Both can run their (plain torch) ops on a GPU instead (`settings.resolve_ref_device`, the setting
   `ref_device="cuda"`): the same ops and dtypes, only faster for big models; no Triton kernel is involved.
 - `device`: float32 on the device, torch ops overridden by a kernel plug-in (default `triton`).
   device="cuda" compiles Triton for the GPU; device="interpret" runs the same Triton kernels under
@@ -17,12 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import MambaDebugError
 from .ops import OpTable, TORCH_OPS
 from .plugins import load_plugin
-
-DEVICES = ("cuda", "interpret", "cpu")
-REF_DEVICES = ("cpu", "cuda")
+from .settings import DEVICES, REF_DEVICES, resolve_device, resolve_ref_device  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -53,36 +50,6 @@ def cpu_backend(device: str | torch.device = "cpu") -> Backend:
 
 def _where(device: torch.device) -> str:
     return "CPU" if device.type == "cpu" else f"GPU ({device})"
-
-
-def host_backend(precision: str = "float32") -> Backend:
-    if precision in ("float64", "fp64", "reference"):
-        return reference_backend()
-    if precision in ("float32", "fp32", "cpu"):
-        return cpu_backend()
-    raise MambaDebugError(f"unknown reference precision {precision!r}: use float32 or float64")
-
-
-def resolve_device(device: str | None) -> str:
-    """'auto'/None picks cuda when a GPU exists, else the Triton interpreter."""
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "interpret"
-    if device not in DEVICES:
-        raise MambaDebugError(f"unknown device {device!r}: choose one of {DEVICES}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MambaDebugError("device 'cuda' was asked for but torch sees no GPU; use --device interpret to run "
-                              "the same Triton kernels under Triton's interpreter on the CPU")
-    return device
-
-
-def resolve_ref_device(name: str) -> torch.device:
-    """Where the reference sides' torch ops run: 'cpu' (the default) or 'cuda'. No silent fallback either."""
-    if name not in REF_DEVICES:
-        raise MambaDebugError(f"unknown reference device {name!r}: choose cpu (the default) or cuda (the reference "
-                              f"sides' plain torch ops on the GPU)")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MambaDebugError("reference device 'cuda' was asked for but torch sees no GPU; use --ref-device cpu")
-    return torch.device(name)
 
 
 def device_backend(kernels: str | None = "triton", device: str | None = None) -> Backend:

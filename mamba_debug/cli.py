@@ -1,19 +1,26 @@
-"""The `mamba-debug` command line. User errors print one clear line and exit with status 2."""
+"""The `mamba-debug` command line. User errors print one clear line and exit with status 2; exit 1 means diverged.
+
+The run flags (offload, ubatch, kernels, device, ...) are generated from `RunSettings`' field metadata, so a default
+or a help text is written once, in settings.py.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+from pathlib import Path
 
 import torch
 
 from .errors import MambaDebugError
+from .settings import RunSettings
+
+DEFAULT_PROMPT = ("It was a fine morning in the country, and Mr. Darcy walked with Elizabeth to the house, "
+                  "where her mother said that")
 
 
-def _add_model_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=None, help="HF Mamba folder or .gguf file (default: the shipped tiny model)")
-    p.add_argument("--prompt", default=None, help="prompt text (default: a sentence for the shipped model)")
-
-
+# -- argument types ----------------------------------------------------------------------------------
 def _int_at_least(name, low):
     def parse(text):
         try:
@@ -26,27 +33,182 @@ def _int_at_least(name, low):
     return parse
 
 
-def _positive(name):
-    return _int_at_least(name, 1)
+def _int_list(text: str) -> list:
+    try:
+        if ".." in text:
+            a, b = text.split("..")
+            return list(range(int(a), int(b) + 1))
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a list like 1,2,8 or a range like 0..13, got {text!r}") from None
 
 
-def _nonneg(name):
-    return _int_at_least(name, 0)
+def _str_list(text: str) -> list:
+    return [x for x in text.split(",") if x]
 
 
-DEFAULT_PROMPT = ("It was a fine morning in the country, and Mr. Darcy walked with Elizabeth to the house, "
-                  "where her mother said that")
+def _parser_for(kind: str, flag: str):
+    return {"nonneg": _int_at_least(flag, 0), "positive": _int_at_least(flag, 1), "float": float, "int": int,
+            "int_list": _int_list, "str_list": _str_list}[kind]
+
+
+# -- flags from RunSettings ------------------------------------------------------------------------
+def add_model_flags(p: argparse.ArgumentParser, prompt: bool = True):
+    p.add_argument("--model", default=None, help="HF Mamba folder or .gguf file (default: the shipped tiny model)")
+    if prompt:
+        p.add_argument("--prompt", default=None, help="prompt text (default: a sentence for the shipped model)")
+
+
+def add_settings_flags(p: argparse.ArgumentParser, command: str):
+    """One flag per RunSettings field that `command` takes (its metadata says which: run, point, compare)."""
+    takes = {"compare": {"run", "point", "compare"}, "export-case": {"run", "point"}}.get(command, {"run"})
+    for f in dataclasses.fields(RunSettings):
+        meta = f.metadata
+        if not meta or meta["commands"] not in takes:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        kw = {"dest": f.name, "help": meta["help"], "default": meta.get("cli_default", f.default)}
+        if meta.get("parse") == "store_true":
+            kw["action"] = "store_true"
+        elif "parse" in meta:
+            kw["type"] = _parser_for(meta["parse"], flag)
+        if "choices" in meta:
+            kw["choices"] = list(meta["choices"])
+        p.add_argument(flag, **kw)
+
+
+def settings_from(args, **over) -> RunSettings:
+    """The RunSettings of the parsed flags (fields a command has no flag for keep their defaults)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunSettings) if hasattr(args, f.name)}
+    values.update(over)
+    if values.get("capture_layers") or values.get("capture_sites"):
+        values["capture"] = "sites"
+    return RunSettings(**values)
+
+
+def model_and_prompt(args):
+    from .io import load_model  # noqa: PLC0415 (loading pulls in the readers: only for commands that load)
+    model = load_model(args.model)
+    if model.tokenizer is not None:
+        ids = model.encode(args.prompt or DEFAULT_PROMPT)
+    elif args.prompt:
+        ids = [int(x) for x in args.prompt.split()] if all(x.isdigit() for x in args.prompt.split()) else None
+        if ids is None:
+            raise MambaDebugError("this model has no tokenizer.json: give --prompt as space-separated token ids")
+    else:
+        ids = [(7 * i + 3) % model.config.vocab_size for i in range(24)]
+    if not ids:
+        raise MambaDebugError("the prompt encodes to no tokens; give a non-empty --prompt")
+    return model, ids
+
+
+def _progress(enabled):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm  # noqa: PLC0415
+    bar = tqdm(desc="ubatches", unit="ub", leave=False)
+
+    def update(done, total):
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+        if done == total:
+            bar.close()
+    return update
+
+
+def _write_json(path, obj):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=1))
+
+
+# -- commands ----------------------------------------------------------------------------------------
+def cmd_compare(args) -> int:
+    from .compare import run_compare  # noqa: PLC0415
+    from .trace import save_trace  # noqa: PLC0415
+    from .views.summary import summary, to_json  # noqa: PLC0415
+    model, ids = model_and_prompt(args)
+    res = run_compare(model, ids, settings_from(args), progress=_progress(sys.stderr.isatty()))
+    print(summary(res))
+    if args.json:
+        _write_json(args.json, to_json(res))
+        print(f"json      {args.json}")
+    if args.trace:
+        print(f"trace     {save_trace(res, args.trace)}")
+    if args.report:
+        from .views.report import write_report  # noqa: PLC0415
+        print(f"report    {write_report(res, args.report)}")
+    return 1 if res.first_divergence else 0
+
+
+def cmd_sweep(args) -> int:
+    from .sweep import auto_workers, run_sweep  # noqa: PLC0415
+    model, ids = model_and_prompt(args)
+    offloads = _int_list(args.offloads) if args.offloads else None
+    workers = auto_workers(model, args.device) if args.workers is None else args.workers
+    sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches), _int_list(args.n_seqs_list),
+                   workers=workers)
+    ubs = sw["ubatches"]
+    for s in sw["n_seqs"]:
+        print(f"first divergence (token/layer) with {s} sequence(s); rows offload, columns ubatch")
+        print("offload " + "".join(f"{'ub ' + str(u):>12s}" for u in ubs))
+        for o in sw["offloads"]:
+            row = []
+            for u in ubs:
+                c = next(c for c in sw["cells"] if c["offload"] == o and c["ubatch"] == u and c["n_seqs"] == s)
+                fd = c["first_divergence"]
+                row.append("ok" if fd is None else f"t{fd['token']}/L{'head' if fd['layer'] is None else fd['layer']}")
+            print(f"{o:7d} " + "".join(f"{x:>12s}" for x in row))
+    shared = sorted({(c["offload"], c["same_run_as"]) for c in sw["cells"] if "same_run_as" in c})
+    runs = len(sw["cells"]) - sum(1 for c in sw["cells"] if "same_run_as" in c)
+    print(f"{len(sw['cells'])} cells from {runs} runs in {sw['seconds']:.1f} s ({sw['workers']} process(es))"
+          + "".join(f"; offload {o} is the run of offload {r} (the head's placement changes no bit here)"
+                    for o, r in shared))
+    if args.json:
+        _write_json(args.json, sw)
+    return 1 if any(c["first_divergence"] for c in sw["cells"]) else 0
+
+
+def cmd_bisect(args) -> int:
+    from .sweep import bisect_layer  # noqa: PLC0415
+    model, ids = model_and_prompt(args)
+    out = bisect_layer(model, ids, settings_from(args))
+    for r in out["runs"]:
+        fd = r["first_divergence"]
+        print(f"offload {r['offload']:3d}: " + ("clean" if fd is None else
+              f"diverges at token {fd['token']} layer {fd['layer']} site {fd['site']}"))
+    print(out["message"])
+    if args.json:
+        _write_json(args.json, out)
+    return 1 if out["bad_layer"] is not None else 0
+
+
+def cmd_export_case(args) -> int:
+    from .export import export_case  # noqa: PLC0415
+    model, ids = model_and_prompt(args)
+    case = export_case(model, ids, settings_from(args, capture="metrics", free_run=False), args.out)
+    print(f"exported {len(case['calls'])} op call(s) of layer {case['layer']} in ubatch {case['ubatch']} to "
+          f"{args.out}; replay with: pytest {Path(args.out) / 'test_case.py'}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from .trace import load_trace  # noqa: PLC0415
+    from .views.summary import summary, to_json  # noqa: PLC0415
+    res = load_trace(args.trace)
+    print(summary(res))
+    if args.json:
+        _write_json(args.json, to_json(res))
+    if args.report:
+        from .views.report import write_report  # noqa: PLC0415
+        print(f"report    {write_report(res, args.report)}")
+    return 1 if res.first_divergence else 0
 
 
 def cmd_generate(args) -> int:
-    from .loading import load_model
-    from .backends import reference_backend
-    from .model import Runner
-
-    model = load_model(args.model)
-    ids = model.encode(args.prompt or DEFAULT_PROMPT)
-    if not ids:
-        raise MambaDebugError("the prompt encodes to no tokens; give a non-empty --prompt")
+    from .backends import reference_backend  # noqa: PLC0415
+    from .model import Runner  # noqa: PLC0415
+    model, ids = model_and_prompt(args)
     runner = Runner(model, reference_backend())
     new = model.generate(torch.tensor([ids]), args.n_gen, ubatch=args.ubatch, runner=runner)[0]
     print(f"# {model!r}, reference back-end (float64 CPU), greedy, ubatch {args.ubatch}", file=sys.stderr)
@@ -56,30 +218,80 @@ def cmd_generate(args) -> int:
 
 
 def cmd_list_kernels(args) -> int:
-    from .plugins import list_kernels
+    from .plugins import list_kernels  # noqa: PLC0415
     for name, desc in list_kernels().items():
         print(f"{name:24s} {desc}")
     return 0
 
 
+def cmd_export_gguf(args) -> int:
+    from .io import describe_gguf, export_gguf, load_model  # noqa: PLC0415
+    model = load_model(args.model)
+    out = export_gguf(model, args.out, dtype=args.dtype)
+    print(f"# {model!r} -> GGUF {args.dtype}")
+    print(describe_gguf(out))
+    return 0
+
+
+# -- the parser --------------------------------------------------------------------------------------
+def _run_command(sub, name, func, help, out_flags=("json",)):
+    p = sub.add_parser(name, help=help)
+    add_model_flags(p)
+    add_settings_flags(p, name)
+    for flag in out_flags:
+        p.add_argument(f"--{flag}", default=None, help=OUT_HELP.get(flag))
+    p.set_defaults(func=func)
+    return p
+
+
+OUT_HELP = {"json": "write the result as JSON (DESIGN.md)", "report": "write an HTML report with the plots",
+            "trace": "save the trace (.safetensors) to reopen with `show`"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mamba-debug", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mamba-debug", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _run_command(sub, "compare", cmd_compare, "run reference and device side by side, report where drift begins",
+                 ("json", "report", "trace"))
+    p = _run_command(sub, "sweep", cmd_sweep, "first divergence over offload x ubatch (x sequences)")
+    p.add_argument("--offloads", default=None, help="offload counts (default 0..n_layer+1)")
+    p.add_argument("--ubatches", default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")
+    p.add_argument("--n-seqs-list", default="1", help="sequence counts (default 1)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU)")
+    _run_command(sub, "bisect", cmd_bisect, "find the first bad layer by moving the offload boundary")
+    p = _run_command(sub, "export-case", cmd_export_case,
+                     "write a divergent layer's real op inputs and a replay pytest", ())
+    p.add_argument("--out", required=True, help="folder for inputs.safetensors, case.json, test_case.py")
+
+    p = sub.add_parser("show", help="reopen a saved trace: summary, JSON, report")
+    p.add_argument("trace")
+    p.add_argument("--json", default=None, help=OUT_HELP["json"])
+    p.add_argument("--report", default=None, help=OUT_HELP["report"])
+    p.set_defaults(func=cmd_show)
+
     p = sub.add_parser("generate", help="greedy generation with the float64 reference")
-    _add_model_args(p)
-    p.add_argument("--n-gen", type=_nonneg("--n-gen"), default=40)
-    p.add_argument("--ubatch", type=_positive("--ubatch"), default=512)
+    add_model_flags(p)
+    p.add_argument("--n-gen", type=_int_at_least("--n-gen", 0), default=40)
+    p.add_argument("--ubatch", type=_int_at_least("--ubatch", 1), default=RunSettings.ubatch)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("list-kernels", help="the kernel plug-ins in kernels/ with their descriptions")
     p.set_defaults(func=cmd_list_kernels)
 
-    from .engine_cli import add_engine_commands   # noqa: PLC0415
-    from .gguf_io import add_gguf_commands        # noqa: PLC0415
-    from .lab import add_lab_command              # noqa: PLC0415
-    add_engine_commands(sub)
-    add_gguf_commands(sub)
+    from .io.gguf import DTYPES  # noqa: PLC0415
+    p = sub.add_parser("export-gguf", help="write the model as a llama.cpp GGUF (architecture mamba)",
+                       description="Write a Mamba-1 model as a GGUF file that llama.cpp loads (same keys, tensor "
+                                   "names and shapes as llama.cpp's convert_hf_to_gguf.py). Norms, conv, x/dt "
+                                   "projections, A and D stay F32; --dtype sets the embedding, in_proj and out_proj.")
+    p.add_argument("--out", required=True, help="the .gguf file to write")
+    add_model_flags(p, prompt=False)
+    p.add_argument("--dtype", default="f32", choices=list(DTYPES),
+                   help="type of the big matrices (default f32; q8_0 falls back to f16 for rows not a multiple of 32)")
+    p.set_defaults(func=cmd_export_gguf)
+
+    from .lab import add_lab_command  # noqa: PLC0415
     add_lab_command(sub)
     return parser
 

@@ -14,29 +14,25 @@ from pathlib import Path
 import torch
 
 from . import ops as ops_module
-from .backends import cpu_backend, device_backend, resolve_device, resolve_ref_device
-from .compare import CompareSettings, run_compare
+from .backends import cpu_backend, device_backend
+from .compare import run_compare
 from .errors import MambaDebugError
-from .model import MambaModel, Runner
-from .ops import OpTable
-from .placement import Placement
+from .model import Model, Runner
+from .plugins import resolve_kernels
+from .settings import RunSettings, resolve_ref_device
 
 
 class _Recorder:
-    """Wraps a back-end's ops; records the calls made by one layer in one ubatch."""
+    """A Runner observer that records the op calls of one layer in one ubatch (the caller sets `ubatch`)."""
 
-    def __init__(self, runner_ref, layer, ubatch, names):
-        self.runner, self.layer, self.ubatch, self.names = runner_ref, layer, ubatch, names
+    def __init__(self, layer, ubatch, names):
+        self.layer, self.target, self.names = layer, ubatch, names
+        self.ubatch = -1
         self.calls = []
 
-    def wrap(self, name, fn):
-        def recorded(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            r = self.runner[0]
-            if name in self.names and r.current_layer == self.layer and r.ubatch_index == self.ubatch:
-                self.calls.append((name, args, kwargs))
-            return out
-        return recorded
+    def op(self, layer, name, args, kwargs):
+        if name in self.names and layer == self.layer and self.ubatch == self.target:
+            self.calls.append((name, args, kwargs))
 
 
 def _save_arg(arg, store: dict, prefix: str):
@@ -52,7 +48,7 @@ def _save_arg(arg, store: dict, prefix: str):
     raise TypeError(f"cannot export argument of type {type(arg).__name__}")
 
 
-def export_case(model: MambaModel, prompt_ids, settings: CompareSettings, out_dir, result=None) -> dict:
+def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result=None) -> dict:
     """Find the first divergence (or use `result`), re-run the device side recording that layer's op calls
     in that ubatch, and write inputs.safetensors + case.json + test_case.py into out_dir."""
     from safetensors.torch import save_file  # noqa: PLC0415
@@ -67,20 +63,19 @@ def export_case(model: MambaModel, prompt_ids, settings: CompareSettings, out_di
             raise MambaDebugError("the first divergence is in the output head; export-case replays block ops only")
     else:
         layer = fd["layer"]
-    device = resolve_device(settings.device)
-    dev = device_backend(settings.kernels, device)
+    s = res.settings                                        # validated: the device that really ran
+    device = s.device
+    dev = device_backend(s.kernels, device)
     overridden = sorted(k for k, f in dev.ops.ops.items() if hasattr(f, "__wrapped__")) or list(dev.ops.ops)
-    holder = [None]
-    rec = _Recorder(holder, layer, fd["ubatch"], set(overridden))
-    dev.ops = OpTable(dev.ops.name, {k: rec.wrap(k, f) for k, f in dev.ops.ops.items()}, dev.ops.supports_states_out)
-    host = cpu_backend(resolve_ref_device(settings.ref_device))     # the host blocks where the comparison ran them
-    runner = Runner(model, host, dev, Placement(model.config.n_layer, res.placement.offload, res.placement.rule))
-    holder[0] = runner
+    rec = _Recorder(layer, fd["ubatch"], set(overridden))
+    host = cpu_backend(resolve_ref_device(s.ref_device))    # the host blocks where the comparison ran them
+    runner = Runner(model, host, dev, res.placement, observer=rec)
     tokens = res.tokens
     runner.reset(tokens.shape[0])
     pos = 0
     for t in res.token_info:                                # replay the same ubatch schedule
         if t.index_in_ubatch == 0:
+            rec.ubatch = t.ubatch
             runner.forward(tokens[:, pos:pos + t.ubatch_len])
             pos += t.ubatch_len
             if t.ubatch == fd["ubatch"]:
@@ -93,13 +88,24 @@ def export_case(model: MambaModel, prompt_ids, settings: CompareSettings, out_di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(store, str(out / "inputs.safetensors"))
-    from .plugins import resolve_kernels  # noqa: PLC0415
-    kpath = None if settings.kernels in (None, "torch") else str(resolve_kernels(settings.kernels))
-    case = {"layer": layer, "ubatch": fd["ubatch"], "first_divergence": fd, "kernels": settings.kernels,
+    kpath = None if s.kernels in (None, "torch") else str(resolve_kernels(s.kernels))
+    case = {"layer": layer, "ubatch": fd["ubatch"], "first_divergence": fd, "kernels": s.kernels,
             "kernels_path": kpath, "device": device, "calls": calls, "nmse_limit": 1e-7}
     (out / "case.json").write_text(json.dumps(case, indent=1, default=str))
     (out / "test_case.py").write_text(_test_source())
     return case
+
+
+def replay_case(case_dir, kernels=None):
+    """Run an exported case's pytest in a fresh process (optionally against another plug-in file, e.g. your fix):
+    the subprocess.CompletedProcess, returncode 0 when every recorded call matches the float64 reference."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    case_dir = Path(case_dir)
+    env = dict(os.environ, **({"MAMBA_DEBUG_KERNELS": str(kernels)} if kernels else {}))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(case_dir / "test_case.py")], capture_output=True, text=True, cwd=case_dir, env=env)
 
 
 def _test_source() -> str:

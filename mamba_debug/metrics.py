@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from pathlib import Path
 
 import torch
 
-from .plugins import exec_file
+from .triton_env import exec_file, mode
 
 METRICS = ("rel_l2", "max_abs", "nmse", "cosine")
 
@@ -61,15 +60,8 @@ def _fused_module(interpret: bool):
         import triton  # noqa: F401, PLC0415
     path = Path(__file__).with_name("_site_metrics.py")
     name = f"mamba_debug._site_metrics_{'interpret' if interpret else 'cuda'}"
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
+    with mode(interpret):
         return exec_file(path, name)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -89,6 +81,15 @@ def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.
     inf = torch.full_like(num, math.inf)
     return {"rel_l2": torch.where(bad, inf, rel), "max_abs": torch.where(bad, inf, diff.abs().amax(-1)),
             "nmse": torch.where(bad, inf, nmse), "cosine": torch.where(bad, torch.full_like(num, math.nan), cos)}
+
+
+def nmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Normalised mean squared error of a against b, in float64 (llama.cpp's test-backend-ops measure); inf if a
+    holds a NaN or Inf."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return float(((a - b) ** 2).sum() / (b ** 2).sum().clamp_min(1e-300))
 
 
 def logit_stats(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,63 +1,58 @@
-"""A readable Mamba-1 whose every op goes through a back-end's op table, run the way llama.cpp runs it.
+"""The model (float64 master weights, config, tokenizer) and the `Runner`, which runs it the way llama.cpp does.
 
-The layer graph and its site names are DESIGN.md's (llama.cpp order):
+The Runner is architecture-agnostic: each block's layer type (`arch/`) declares its states and runs the block; the
+Runner allocates those states on the block's back-end, processes a prompt in ubatches of B tokens (states read at the
+start of each ubatch, written back at its end), then one token per ubatch. Blocks chosen by the placement run on the
+device back-end, the rest on the host back-end; the hidden state moves between them at the boundary.
 
-    norm -> xz -> (x, z views) -> conv (+ conv_state) -> conv_act -> dt, B, C -> y_scan (+ ssm_state)
-         -> y_skip -> gate -> y_gated -> out -> resid            ... then final_norm -> logits
-
-`Runner` holds per-layer conv and SSM states for S sequences, processes a prompt in ubatches of B
-tokens (states read at the start of each ubatch, written back at its end), then generates one token
-per ubatch. Layers chosen by the placement run on the device back-end, the rest on the host back-end;
-the hidden state moves between them at the boundary. A `hook(layer, site, value, per_token)` sees
-every site: `value` is [S, T, ...] (per_token=True) or, for states taken at the end of a ubatch only,
-[S, ...] belonging to the ubatch's last token (per_token=False).
+What the outside sees goes through one `Observer` (every method optional):
+    site(layer, name, value, per_token)   every site: value [S, T, ...] (per_token) or [S, ...] at the ubatch end
+    op(layer, name, args, kwargs)         every op call, after it returned (export-case records them)
+    before_layer(layer, h, states)        may replace a block's input and states just before it runs (local mode)
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from .arch import MODEL_SITES, LayerContext, all_sites, layer_type
 from .backends import Backend, cpu_backend, cpu_threads_for, reference_backend
-from .config import MambaConfig
+from .config import ModelConfig
 from .errors import MambaDebugError
+from .ops import OpTable
 from .placement import Placement
 
-LAYER_SITES = ("norm", "xz", "conv", "conv_state", "conv_act", "dt", "B", "C", "y_scan", "ssm_state",
-               "y_skip", "gate", "y_gated", "out", "resid")
-MODEL_SITES = ("final_norm", "logits")
-STATE_SITES = ("conv_state", "ssm_state")
-SITES = LAYER_SITES + MODEL_SITES
 
-Hook = Callable[[Optional[int], str, torch.Tensor, bool], None]
-
-
-class MambaModel:
+class Model:
     """Weights (float64 masters), config and tokenizer; `logits` runs the reference back-end."""
 
-    def __init__(self, config: MambaConfig, params: dict[str, torch.Tensor], tokenizer=None, source: str = "",
-                 notes=()):
+    def __init__(self, config: ModelConfig, params: dict, tokenizer=None, source: str = "", notes=()):
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
         self.source = source              # the path it was loaded from ("" in memory)
         self.notes = list(notes)          # what the loader could not carry over (e.g. a tokenizer it did not rebuild)
-        self._cast: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._cast: dict = {}
 
     def __repr__(self) -> str:
         c = self.config
         return (f"MambaModel({self.source or 'in memory'}: L={c.n_layer} E={c.d_model} D={c.d_inner} "
                 f"N={c.d_state} K={c.d_conv} R={c.dt_rank} V={c.vocab_size})")
 
-    def weights(self, backend: Backend) -> dict[str, torch.Tensor]:
+    def weights(self, backend: Backend) -> dict:
         """Parameters cast once per (device, dtype); shared by every run on that back-end."""
         if backend.key not in self._cast:
             self._cast[backend.key] = {k: v.to(device=backend.device, dtype=backend.dtype)
                                        for k, v in self.params.items()}
         return self._cast[backend.key]
 
+    @property
+    def sites(self) -> tuple:
+        return all_sites(self.config)
+
     # -- tokenizer ---------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list:
         if self.tokenizer is None:
             raise MambaDebugError(f"{self.source or 'this model'} has no tokenizer.json; pass token ids instead")
         return self.tokenizer.encode(text).ids
@@ -89,6 +84,9 @@ class MambaModel:
         return torch.stack(out, dim=1) if out else tokens.new_zeros((tokens.shape[0], 0))
 
 
+MambaModel = Model     # the name before the restructure
+
+
 def check_tokens(tokens, vocab_size: int) -> torch.Tensor:
     if not isinstance(tokens, torch.Tensor):
         tokens = torch.as_tensor(tokens)
@@ -103,13 +101,30 @@ def check_tokens(tokens, vocab_size: int) -> torch.Tensor:
     return tokens.long()
 
 
+class _ObservedOps:
+    """An op table that tells the observer about every call of one layer (export-case records them)."""
+
+    def __init__(self, table: OpTable, layer, observer):
+        self._table, self._layer, self._observer = table, layer, observer
+        self.supports_states_out = table.supports_states_out
+
+    def __getattr__(self, name):
+        fn = getattr(self._table, name)
+
+        def called(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self._observer.op(self._layer, name, args, kwargs)
+            return out
+        return called
+
+
 class Runner:
     """One placed execution of a model: host back-end below the boundary, device back-end from it on."""
 
-    def __init__(self, model: MambaModel, host: Backend, device: Optional[Backend] = None,
-                 placement: Optional[Placement] = None, hook: Optional[Hook] = None):
+    def __init__(self, model: Model, host: Backend, device: Optional[Backend] = None,
+                 placement: Optional[Placement] = None, observer=None):
         cfg = model.config
-        self.model, self.cfg, self.hook = model, cfg, hook
+        self.model, self.cfg = model, cfg
         self.placement = placement or Placement(cfg.n_layer, 0)
         if self.placement.n_device_layers or self.placement.head_on_device:
             if device is None:
@@ -117,11 +132,12 @@ class Runner:
         self.host, self.device = host, device or host
         self.layer_backends = [self.device if self.placement.on_device(i) else host for i in range(cfg.n_layer)]
         self.head_backend = self.device if self.placement.head_on_device else host
+        self.layer_types = [layer_type(cfg, i) for i in range(cfg.n_layer)]
         self.layer_weights = [self._layer_weights(model.weights(b), i) for i, b in enumerate(self.layer_backends)]
+        self.observer = observer
         self.n_seqs = 0
         self.pos = 0              # tokens already processed per sequence
-        self.ubatch_index = -1    # index of the ubatch being (or last) processed
-        self.current_layer = None # block being run (None: embedding or head)
+        self.states: list = []    # per layer: state name -> tensor [S, ...] on the layer's back-end
 
     @staticmethod
     def _layer_weights(w: dict, i: int) -> dict:
@@ -130,16 +146,23 @@ class Runner:
 
     def reset(self, n_seqs: int):
         """Fresh zero states for n_seqs sequences, each on its layer's back-end."""
-        c = self.cfg
-        self.n_seqs, self.pos, self.ubatch_index = n_seqs, 0, -1
-        self.conv_states, self.ssm_states = [], []
-        for b in self.layer_backends:
-            self.conv_states.append(torch.zeros(n_seqs, c.d_conv - 1, c.d_inner, dtype=b.dtype, device=b.device))
-            self.ssm_states.append(torch.zeros(n_seqs, c.d_inner, c.d_state, dtype=b.dtype, device=b.device))
+        self.n_seqs, self.pos = n_seqs, 0
+        self.states = [{spec.name: torch.zeros((n_seqs,) + tuple(spec.shape(self.cfg)), dtype=b.dtype,
+                                               device=b.device) for spec in lt.states}
+                       for lt, b in zip(self.layer_types, self.layer_backends)]
+
+    @property
+    def observer(self):
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer):
+        self._observer = observer
+        self._on_site = getattr(observer, "site", None)
 
     def _site(self, layer, name, value, per_token=True):
-        if self.hook is not None:
-            self.hook(layer, name, value, per_token)
+        if self._on_site is not None:
+            self._on_site(layer, name, value, per_token)
 
     # -- execution ---------------------------------------------------------------------------------
     def prefill(self, tokens: torch.Tensor, ubatch: int) -> torch.Tensor:
@@ -151,73 +174,47 @@ class Runner:
         chunks = [self.forward(tokens[:, i:i + ubatch]) for i in range(0, tokens.shape[1], ubatch)]
         return torch.cat(chunks, dim=1)
 
-    def forward(self, tokens: torch.Tensor, start_layer: int = 0, h_start: Optional[torch.Tensor] = None,
-                feed: Optional[Callable] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, resume: Optional[tuple] = None) -> torch.Tensor:
         """One ubatch [S, T] continuing from the current states; returns logits [S, T, V] (head's dtype).
 
-        start_layer/h_start: skip the blocks below start_layer and start from their known output h_start
-        (the engine shares host blocks between the two sides instead of computing them twice).
-        feed(i, h, conv_state, ssm_state) -> (h, conv_state, ssm_state) may replace a block's input and
-        states just before it runs (local-error mode: every device block gets the reference's inputs).
-        """
+        resume=(layer, h): skip the blocks below `layer` and start from their known output h (a side that shares its
+        host blocks with another side's run starts at its boundary instead of computing them twice)."""
         if tokens.shape[0] != self.n_seqs:
             raise MambaDebugError(f"ubatch has {tokens.shape[0]} sequences but the runner holds {self.n_seqs}")
-        self.ubatch_index += 1
-        if start_layer == 0:
+        start, h = resume if resume is not None else (0, None)
+        if start == 0:
             h = self.model.weights(self.host)["embed"][tokens.to(self.host.device)]  # get_rows on the host
-        else:
-            h = h_start
-        for i in range(start_layer, self.cfg.n_layer):
-            self.current_layer = i
+        before = getattr(self.observer, "before_layer", None)
+        for i in range(start, self.cfg.n_layer):
             b = self.layer_backends[i]
             h = h.to(device=b.device, dtype=b.dtype)                                   # boundary crossing
-            if feed is not None:
-                h, self.conv_states[i], self.ssm_states[i] = feed(i, h, self.conv_states[i], self.ssm_states[i])
-            h = self._layer(i, b, h)
-        self.current_layer = None
+            if before is not None:
+                h, self.states[i] = before(i, h, self.states[i])
+            h = self.layer_types[i].layer(self._context(i, b), h)
+        return self._head(h, tokens.shape[1])
+
+    def _context(self, i: int, b: Backend) -> LayerContext:
+        ops = b.ops if not hasattr(self.observer, "op") else _ObservedOps(b.ops, i, self.observer)
+        return LayerContext(index=i, cfg=self.cfg, ops=ops, w=self.layer_weights[i], states=self.states[i],
+                            site=lambda name, value, per_token=True: self._site(i, name, value, per_token),
+                            want_states_out=self._on_site is not None and b.ops.supports_states_out,
+                            dtype=b.dtype, device=b.device)
+
+    def _head(self, h: torch.Tensor, T: int) -> torch.Tensor:
         b = self.head_backend
         h = h.to(device=b.device, dtype=b.dtype)
         w = self.model.weights(b)
         final = b.ops.rms_norm(h, w["norm_f"], self.cfg.rms_eps)
-        self._site(None, "final_norm", final)
+        self._site(None, MODEL_SITES[0], final)
         logits = b.ops.linear(final, w["lm_head"])
-        self._site(None, "logits", logits)
-        self.pos += tokens.shape[1]
+        self._site(None, MODEL_SITES[1], logits)
+        self.pos += T
         return logits
 
-    def _layer(self, i: int, b: Backend, h: torch.Tensor) -> torch.Tensor:
-        """One Mamba block on back-end b; h [S, T, E]. Views stay views (llama.cpp hands ops strided views)."""
-        c, w, ops = self.cfg, self.layer_weights[i], b.ops
-        D, N, R = c.d_inner, c.d_state, c.dt_rank
-        site = lambda name, value, per_token=True: self._site(i, name, value, per_token)  # noqa: E731
+    # -- states ------------------------------------------------------------------------------------
+    def save_states(self) -> list:
+        """A copy of every layer's states (ops may later write into the tensors they were handed)."""
+        return [{k: v.clone() for k, v in st.items()} for st in self.states]
 
-        norm = ops.rms_norm(h, w["norm"], c.rms_eps);                 site("norm", norm)
-        xz = ops.linear(norm, w["in_proj"], w.get("in_proj_bias"));   site("xz", xz)
-        x, z = xz[..., :D], xz[..., D:]                                # strided views, row stride 2D
-        conv, self.conv_states[i] = ops.ssm_conv(self.conv_states[i], x, w["conv_w"])
-        conv = conv + w["conv_b"];                                     site("conv", conv)
-        site("conv_state", self.conv_states[i], False)
-        conv_act = ops.silu(conv);                                     site("conv_act", conv_act)
-        dbc = ops.linear(conv_act, w["x_proj"])
-        dt, B, C = dbc[..., :R], dbc[..., R:R + N], dbc[..., R + N:]   # strided views of one projection
-        dt = ops.linear(dt, w["dt_proj"], w["dt_bias"]);               site("dt", dt)
-        site("B", B)
-        site("C", C)
-        states = None
-        if self.hook is not None and b.ops.supports_states_out:
-            states = torch.empty(h.shape[0], h.shape[1], D, N, dtype=b.dtype, device=b.device)
-        y_scan, self.ssm_states[i] = ops.ssm_scan(self.ssm_states[i], conv_act, dt, w["A"], B, C, states_out=states)
-        site("y_scan", y_scan)
-        if states is not None:
-            # the last row is the state actually handed to the next ubatch, so a kernel that returns another
-            # state than its last h_t is caught at the token where it happens
-            states[:, -1] = self.ssm_states[i]
-            site("ssm_state", states, True)
-        else:
-            site("ssm_state", self.ssm_states[i], False)
-        y_skip = y_scan + conv_act * w["D"];                           site("y_skip", y_skip)
-        gate = ops.silu(z);                                            site("gate", gate)
-        y_gated = y_skip * gate;                                       site("y_gated", y_gated)
-        out = ops.linear(y_gated, w["out_proj"], w.get("out_proj_bias")); site("out", out)
-        resid = h + out;                                               site("resid", resid)
-        return resid
+    def load_states(self, states: list):
+        self.states = [{k: v.clone() for k, v in st.items()} for st in states]

@@ -75,9 +75,43 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     return torch.stack(ys, dim=1), h.clone()
 
 
+def output_contract(op: str, args: tuple) -> list:
+    """Each output's expected (shape, dtype, device), from an op's inputs: what a plug-in's op must return."""
+    if op in ("rms_norm", "silu"):
+        x = args[0]
+        return [(x.shape, x.dtype, x.device)]
+    if op == "linear":
+        x, w = args[0], args[1]
+        return [(x.shape[:-1] + (w.shape[0],), x.dtype, x.device)]
+    if op in ("ssm_conv", "ssm_scan"):
+        state, x = args[0], args[1]
+        return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
+    raise KeyError(op)
+
+
 TORCH_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm, "linear": linear, "silu": silu, "ssm_conv": ssm_conv, "ssm_scan": ssm_scan,
 }
+
+
+def example_inputs(op: str, *, S: int = 2, T: int = 16, D: int = 64, N: int = 8, K: int = 4, seed: int = 0,
+                   dtype: torch.dtype = torch.float32) -> tuple:
+    """Random inputs of realistic scale for one op's contract (an op test's starting point: fresh inputs, several
+    sequences). For ssm_scan: (ssm_state, x, dt, A, B, C) with dt around -2 (softplus ~0.1) and A negative."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
+    if op == "ssm_scan":
+        return (torch.zeros(S, D, N, dtype=dtype), r(S, T, D), r(S, T, D) - 2,
+                -torch.rand(D, N, generator=g, dtype=dtype) - 0.5, r(S, T, N), r(S, T, N))
+    if op == "ssm_conv":
+        return r(S, K - 1, D), r(S, T, D), r(D, K) / K ** 0.5
+    if op == "rms_norm":
+        return r(S, T, D), 1 + 0.1 * r(D), 1e-5
+    if op == "linear":
+        return r(S, T, D), r(N, D) / D ** 0.5
+    if op == "silu":
+        return (r(S, T, D),)
+    raise KeyError(f"no example inputs for op {op!r}; ops: {OP_NAMES}")
 
 
 class OpTable:
@@ -99,7 +133,3 @@ class OpTable:
 
     def __repr__(self) -> str:
         return f"OpTable({self.name!r})"
-
-
-def torch_table(name: str = "torch") -> OpTable:
-    return OpTable(name, TORCH_OPS)

@@ -15,10 +15,8 @@ so each (file, device) pair gets its own module object.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,7 +24,8 @@ from typing import Callable
 import torch
 
 from .errors import PluginError
-from .ops import OP_NAMES
+from .ops import OP_NAMES, output_contract
+from .triton_env import exec_file, set_mode
 
 KERNELS_DIR = Path(os.environ.get("MAMBA_DEBUG_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels"))
 
@@ -101,25 +100,10 @@ def load_kernels(name_or_path: str, device: str = "interpret") -> dict[str, Call
     return dict(load_plugin(name_or_path, device).ops)
 
 
-def exec_file(path: Path, module_name: str):
-    """Execute the Python file at `path` as module `module_name`, registered in sys.modules (dataclasses and triton
-    need the module to be findable) and removed again if it fails. Triton kernel files are executed this way, never
-    imported, so that each mode (interpreted, compiled) gets its own copy: the caller sets TRITON_INTERPRET first."""
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(module_name, None)
-        raise
-    return module
-
-
 def _exec_plugin(path: Path, device: str) -> Plugin:
     # Triton reads TRITON_INTERPRET when a kernel is defined and again at launch (and fixes its own library's
     # mode at first import), so the variable stays set for the rest of the process rather than being restored.
-    os.environ["TRITON_INTERPRET"] = "0" if device == "cuda" else "1"
+    set_mode(device)
     mod_name = f"mamba_debug_plugin_{path.stem}_{device}"
     _LOADING_DEVICE.append(device)
     try:
@@ -160,23 +144,6 @@ def _shape(t) -> str:
     return "x".join(map(str, t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _expected(op: str, args: tuple) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
-    """Expected (shape, dtype, device) of each output of an op, from its inputs."""
-    if op in ("rms_norm", "silu"):
-        x = args[0]
-        return [(x.shape, x.dtype, x.device)]
-    if op == "linear":
-        x, w = args[0], args[1]
-        return [(x.shape[:-1] + (w.shape[0],), x.dtype, x.device)]
-    if op == "ssm_conv":
-        state, x = args[0], args[1]
-        return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
-    if op == "ssm_scan":
-        state, x = args[0], args[1]
-        return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
-    raise KeyError(op)
-
-
 def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
     """Wrap an op so a crash or a wrong output shape/dtype/device names the plug-in, the op and the shapes."""
     def wrapper(*args, **kwargs):
@@ -189,7 +156,7 @@ def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
         except Exception as exc:
             raise PluginError(f"plug-in {plugin}: op {op}({shapes}) raised {type(exc).__name__}: {exc}") from exc
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
-        expected = _expected(op, args)
+        expected = output_contract(op, args)
         if len(outs) != len(expected):
             raise PluginError(f"plug-in {plugin}: op {op}({shapes}) returned {len(outs)} value(s), "
                               f"expected {len(expected)}")

@@ -9,18 +9,17 @@ changes no bit: two offloads with the same device blocks are then one run, and t
 """
 from __future__ import annotations
 
-import copy
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .compare import CompareSettings, run_compare
+from .compare import run_compare
 from .errors import MambaDebugError
-from .model import MambaModel
-from .placement import Placement
-from .result import _num
+from .model import Model
+from .plugins import load_plugin
+from .settings import RunSettings, resolve_device
+from .trace import json_num
 
 
 def sweep_cell(res) -> dict:
@@ -29,12 +28,12 @@ def sweep_cell(res) -> dict:
     kld = res.logits["kld"]
     return {"offload": res.placement.offload, "ubatch": res.settings.ubatch, "n_seqs": res.settings.n_seqs,
             "first_divergence": fd, "first_token": None if fd is None else fd["token"],
-            "first_layer": None if fd is None else fd["layer"], "kld_mean": _num(kld.mean()),
-            "kld_max": _num(kld.max()), "top1_agreement": _num(res.logits["top1"].mean()),
+            "first_layer": None if fd is None else fd["layer"], "kld_mean": json_num(kld.mean()),
+            "kld_max": json_num(kld.max()), "top1_agreement": json_num(res.logits["top1"].mean()),
             "seconds": res.timings.get("compare_s")}
 
 
-def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Optional[Iterable[int]] = None,
+def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[Iterable[int]] = None,
               ubatches: Iterable[int] = (1, 2, 8, 32), n_seqs_list: Iterable[int] = (1,), progress=True,
               workers: int = 1) -> dict:
     """Matrix of first divergence (token, layer) and KLD for every (n_seqs, ubatch, offload).
@@ -48,7 +47,7 @@ def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Op
     ubatches, n_seqs_list = list(ubatches), list(n_seqs_list)
     grid = [(s, u, o) for s in n_seqs_list for u in ubatches for o in offloads]
     runs = _runs_for(model, base, offloads)
-    jobs = [replace(copy.deepcopy(base), offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)
+    jobs = [base.replace(offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)
             for s, u, o in grid if runs[o] == o]
     if workers > 1:     # longest first, so that no worker is left with one long run at the end
         jobs.sort(key=lambda j: -_cost(j, L, len(prompt_ids)))
@@ -68,61 +67,59 @@ def run_sweep(model: MambaModel, prompt_ids, base: CompareSettings, offloads: Op
             bar.update()
     bar.close()
     done = {(c["n_seqs"], c["ubatch"], c["offload"]): c for c in cells}
-    cells = [done[(s, u, o)] if runs[o] == o else _same_as(done[(s, u, runs[o])], o, L, base.rule)
+    cells = [done[(s, u, o)] if runs[o] == o else _same_as(done[(s, u, runs[o])], o, L, base)
              for s, u, o in grid]
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
             "cells": cells, "seconds": time.perf_counter() - t0, "workers": workers}
 
 
-def _cost(s: CompareSettings, n_layer: int, n_prompt: int) -> int:
+def _cost(s: RunSettings, n_layer: int, n_prompt: int) -> int:
     """Relative cost of a sweep run: device blocks x kernel launches (what dominates under the interpreter)."""
-    return (Placement(n_layer, s.offload, s.rule).n_device_layers + 1) * (-(-n_prompt // s.ubatch) + s.n_gen)
+    return (s.placement(n_layer).n_device_layers + 1) * (-(-n_prompt // s.ubatch) + s.n_gen)
 
 
-def _runs_for(model: MambaModel, base: CompareSettings, offloads: list) -> dict:
+def _runs_for(model: Model, base: RunSettings, offloads: list) -> dict:
     """offload -> the offload whose run answers for it: itself, or, when the head's placement changes no bit (see
     the module docstring), the offload with the same device blocks and the head on the device."""
-    from .backends import resolve_device  # noqa: PLC0415
-    from .plugins import load_plugin  # noqa: PLC0415
     device = resolve_device(base.device)
     head_ops = set() if base.kernels in (None, "torch") else {"rms_norm", "linear"} & set(
         load_plugin(base.kernels, device).ops)
     if device == "cuda" or head_ops:
         return {o: o for o in offloads}
     L, by_blocks = model.config.n_layer, {}
-    for o in sorted(offloads, key=lambda o: (not Placement(L, o, base.rule).head_on_device, o)):
-        by_blocks.setdefault(Placement(L, o, base.rule).n_device_layers, o)
-    return {o: by_blocks[Placement(L, o, base.rule).n_device_layers] for o in offloads}
+    place = lambda o: base.replace(offload=o).placement(L)  # noqa: E731
+    for o in sorted(offloads, key=lambda o: (not place(o).head_on_device, o)):
+        by_blocks.setdefault(place(o).n_device_layers, o)
+    return {o: by_blocks[place(o).n_device_layers] for o in offloads}
 
 
-def _same_as(cell: dict, offload: int, n_layer: int, rule: str) -> dict:
+def _same_as(cell: dict, offload: int, n_layer: int, base: RunSettings) -> dict:
     """The cell of `offload` from the run of another offload that computes the same bits."""
     out = dict(cell, offload=offload, same_run_as=cell["offload"])
     fd = cell["first_divergence"]
     if fd is not None and fd["layer"] is None:          # a head site: on the device or not, per this offload
-        out["first_divergence"] = dict(fd, on_device=Placement(n_layer, offload, rule).head_on_device)
+        out["first_divergence"] = dict(fd, on_device=base.replace(offload=offload).placement(n_layer).head_on_device)
     return out
 
 
-def auto_workers(model: MambaModel, device: Optional[str]) -> int:
+def auto_workers(model: Model, device: Optional[str]) -> int:
     """Processes for a sweep: the cores, when the device side is interpreted on the CPU and the model reloadable."""
-    from .backends import resolve_device  # noqa: PLC0415
     if resolve_device(device) == "cuda" or not _reloadable(model):
         return 1
     return max(1, min(os.cpu_count() or 1, 4))
 
 
-def _reloadable(model: MambaModel) -> bool:
+def _reloadable(model: Model) -> bool:
     return bool(model.source) and Path(model.source).exists()
 
 
 _WORKER: dict = {}
 
 
-def _worker_cell(source: str, prompt_ids: list, settings: CompareSettings) -> dict:
+def _worker_cell(source: str, prompt_ids: list, settings: RunSettings) -> dict:
     """One sweep cell in a worker process; the model and the reference cache stay loaded between cells."""
     if _WORKER.get("source") != source:
-        from .loading import load_model  # noqa: PLC0415
+        from .io import load_model  # noqa: PLC0415
         _WORKER.update(source=source, model=load_model(source), cache={})
     return sweep_cell(run_compare(_WORKER["model"], prompt_ids, settings, ref_cache=_WORKER["cache"]))
 
@@ -151,7 +148,7 @@ def _parallel(source, prompt_ids, jobs, workers, bar) -> list:
     return cells
 
 
-def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:
+def bisect_layer(model: Model, prompt_ids, base: RunSettings) -> dict:
     """Smallest offload that diverges, found in O(log n_layer) runs; its first device layer is the first bad one.
 
     Assumes monotonicity, as llama.cpp's placement gives it: offload N+1 runs a superset of N's device layers.
@@ -161,7 +158,7 @@ def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:
     runs = []
 
     def diverges(n: int) -> bool:
-        settings = replace(copy.deepcopy(base), offload=n, capture="metrics", free_run=False)
+        settings = base.replace(offload=n, capture="metrics", free_run=False)
         res = run_compare(model, prompt_ids, settings, ref_cache=cache)
         runs.append({"offload": n, "first_divergence": res.first_divergence})
         return res.first_divergence is not None
@@ -177,8 +174,8 @@ def bisect_layer(model: MambaModel, prompt_ids, base: CompareSettings) -> dict:
             hi = mid
         else:
             lo = mid
-    p = Placement(L, hi, base.rule)
-    newest = p.first_device_layer if p.n_device_layers > Placement(L, hi - 1, base.rule).n_device_layers else None
+    p = base.replace(offload=hi).placement(L)
+    newest = p.first_device_layer if p.n_device_layers > base.replace(offload=hi - 1).placement(L).n_device_layers else None
     bad = "head" if newest is None else newest    # what offload hi adds over hi - 1: a block, or the head
     return {"bad_layer": bad, "offload": hi, "runs": runs,
             "message": f"offload {hi - 1} is clean, offload {hi} diverges: the first bad "

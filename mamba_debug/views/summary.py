@@ -1,23 +1,14 @@
-"""The comparison as data (DESIGN.md's JSON), as a short readable summary, and as a trace file on disk.
-
-A trace file is one safetensors file: metrics, floors and captured tensors as tensors, everything else as
-versioned JSON in its metadata, so a run can be attached to a bug report and reopened with `load_trace`.
-"""
+"""TEMPORARY until the views branch merges."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 
-from .compare import CompareResult, CompareSettings, TokenInfo, find_first_divergence
-from .errors import MambaDebugError
-from .model import LAYER_SITES
-from .placement import Placement
+from ..trace import CompareResult, RESULT_VERSION, TRACE_FORMAT
 
-TRACE_FORMAT = "mamba-debug-trace"
-TRACE_VERSION = 1
+LAYER_SITES = ("norm", "xz", "conv", "conv_state", "conv_act", "dt", "B", "C", "y_scan", "ssm_state",
+               "y_skip", "gate", "y_gated", "out", "resid")
 
 
 def _num(x: float):
@@ -66,9 +57,9 @@ def to_json(res: CompareResult) -> dict:
     lg = res.logits
     fd = res.first_divergence
     return {
-        "format": TRACE_FORMAT, "version": TRACE_VERSION,
+        "format": TRACE_FORMAT, "version": RESULT_VERSION,
         "config": {"n_layer": res.n_layer, "offload": res.placement.offload, "ubatch": s.ubatch, "n_seqs": s.n_seqs,
-                   "kernels": s.kernels, "device": res.device_label.split(":")[0].replace("device ", ""),
+                   "kernels": s.kernels, "device": res.sides["device"].device,
                    "device_label": res.device_label, "rule": s.rule, "first_device_layer": res.placement.first_device_layer,
                    "head_on_device": res.placement.head_on_device, "n_prompt": res.n_prompt, "n_gen": s.n_gen,
                    "reference": s.reference, "ref_device": s.ref_device, "k_floor": s.k_floor, "capture": s.capture,
@@ -141,76 +132,3 @@ def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-# -- trace files -------------------------------------------------------------------------------------
-def _key(k) -> str:
-    return ".".join("head" if p is None else str(p) for p in k)
-
-
-def _unkey(text: str):
-    return tuple(None if p == "head" else int(p) if p.isdigit() else p for p in text.split("."))
-
-
-def save_trace(res: CompareResult, path) -> Path:
-    from safetensors.torch import save_file  # noqa: PLC0415
-
-    tensors = {"tokens": res.tokens.contiguous()}
-    for k, m in res.errors.items():
-        for name, v in m.items():
-            tensors[f"err/{name}/{_key(k)}"] = v.contiguous()
-    tensors.update({f"floor/{_key(k)}": v.contiguous() for k, v in res.floor.items()})
-    tensors.update({f"logits/{k}": v.contiguous() for k, v in res.logits.items()})
-    tensors.update({f"trace/{_key(k)}": v.contiguous() for k, v in res.trace.items()})
-    tensors.update({f"local/{k}": v.contiguous() for k, v in res.local.items()})
-    meta = {"settings": res.settings.__dict__, "model_info": res.model_info, "device_label": res.device_label,
-            "placement": [res.placement.n_layer, res.placement.offload, res.placement.rule],
-            "n_prompt": res.n_prompt, "token_info": [t.__dict__ for t in res.token_info],
-            "thresholds": {_key(k): v for k, v in res.thresholds.items()},
-            "trace_tokens": {_key(k): v for k, v in res.trace_tokens.items()},
-            "nondeterminism": res.nondeterminism, "generations": res.generations,
-            "perplexity": res.perplexity, "timings": res.timings}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": TRACE_FORMAT, "version": str(TRACE_VERSION),
-                                            "result": json.dumps(meta, default=str)})
-    return path
-
-
-def load_trace(path) -> CompareResult:
-    from safetensors import safe_open  # noqa: PLC0415
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:
-        raise MambaDebugError(f"{path}: not a readable trace file ({exc})") from exc
-    if header.get("format") != TRACE_FORMAT:
-        raise MambaDebugError(f"{path}: not a mamba-debug trace (format {header.get('format')!r})")
-    if header.get("version") != str(TRACE_VERSION):
-        raise MambaDebugError(f"{path}: trace format version {header.get('version')} but this mamba-debug reads "
-                              f"version {TRACE_VERSION}; re-run the comparison with this version to get a new trace")
-    meta = json.loads(header["result"])
-    res = CompareResult(settings=CompareSettings(**meta["settings"]), model_info=meta["model_info"],
-                        placement=Placement(*meta["placement"]), device_label=meta["device_label"],
-                        tokens=tensors["tokens"], n_prompt=meta["n_prompt"],
-                        token_info=[TokenInfo(**t) for t in meta["token_info"]])
-    for name, t in tensors.items():
-        kind, _, rest = name.partition("/")
-        if kind == "err":
-            metric, _, k = rest.partition("/")
-            res.errors.setdefault(_unkey(k), {})[metric] = t
-        elif kind == "floor":
-            res.floor[_unkey(rest)] = t
-        elif kind == "logits":
-            res.logits[rest] = t
-        elif kind == "trace":
-            res.trace[_unkey(rest)] = t
-        elif kind == "local":
-            res.local[int(rest)] = t
-    res.thresholds = {_unkey(k): v for k, v in meta["thresholds"].items()}
-    res.trace_tokens = {_unkey(k): v for k, v in meta["trace_tokens"].items()}
-    res.nondeterminism, res.generations = meta["nondeterminism"], meta["generations"]
-    res.perplexity, res.timings = meta["perplexity"], meta["timings"]
-    res.first_divergence = find_first_divergence(res)
-    return res

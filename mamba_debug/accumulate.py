@@ -1,0 +1,118 @@
+"""Each ubatch's site values of every side turned into metrics (and kept tensors, per the capture policy).
+
+Metrics stay where the reference's tensors are until `finish` (one transfer per site on a GPU, not one per ubatch
+and site); kept tensors go to the CPU as they come, since the trace is a host-side artefact. A site the device side
+did not report has NaN metrics: "not observed", never 0 and never a divergence.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .metrics import METRICS, logit_stats, perplexity, site_errors
+from .settings import RunSettings
+from .trace import CompareResult
+
+
+class Accumulator:
+    def __init__(self, res: CompareResult, s: RunSettings):
+        self.res, self.s = res, s
+        self.err, self.floor, self.logit, self.local = {}, {}, [], {}
+        self.logit_ref, self.logit_dev, self.kept = [], [], {}
+        self.repeat_max = None
+        self.tok0 = 0
+
+    def _keep(self, layer, site) -> bool:
+        if self.s.capture == "metrics":
+            return False
+        if self.s.capture == "sites":
+            if self.s.capture_layers and (layer is None or layer not in [int(x) for x in self.s.capture_layers]):
+                return site in ("logits",) and not self.s.capture_sites
+            if self.s.capture_sites and site not in self.s.capture_sites:
+                return False
+        return True
+
+    def add(self, vdev: dict, vref: dict, v32: dict, v64: dict, extra: dict, floors: dict):
+        """v*: (layer, site) -> (value, per_token) of one ubatch per side. floors: this ubatch's floor per site,
+        shared by every run over the same reference (filled here if empty)."""
+        T = vref[(None, "logits")][0].shape[1]
+        for key, (ref, per_token) in vref.items():
+            observed = key in vdev
+            dev = vdev[key][0] if observed else None
+            a, b, a32, a64 = (None if v is None else v if per_token else v[:, None]
+                              for v in (dev, ref, v32[key][0], v64[key][0]))
+            if not observed:
+                e = _not_observed(b)
+            elif a is b or dev is ref:
+                e = _identical(b)                       # shared host blocks: exactly 0
+            else:
+                e = site_errors(a, b)
+            if key not in floors:
+                floors[key] = site_errors(a32, a64)["rel_l2"]
+            f = floors[key]
+            if not per_token:       # a state taken at the ubatch's end belongs to its last token
+                e = {m: _at_last(v, T) for m, v in e.items()}
+                f = _at_last(f, T)
+            self.err.setdefault(key, []).append(e)
+            self.floor.setdefault(key, []).append(f)
+            if self._keep(*key):
+                for side, val in (("ref", ref), ("dev", dev)):
+                    if val is not None:
+                        self.kept.setdefault((side,) + key, []).append((val if per_token else val[:, None]).cpu())
+                toks = list(range(self.tok0, self.tok0 + T)) if per_token else [self.tok0 + T - 1]
+                self.res.trace_tokens.setdefault(key, []).extend(toks)
+        ldev, lref = vdev[(None, "logits")][0], vref[(None, "logits")][0]
+        self.logit.append(logit_stats(ldev, lref))
+        self.logit_ref.append(lref)
+        self.logit_dev.append(ldev)
+        if "repeat" in extra:
+            self._repeat(vdev, extra["repeat"])
+        if "local" in extra:
+            for (layer, site), (val, _) in extra["local"].items():
+                if site == "resid":
+                    self.local.setdefault(layer, []).append(site_errors(val, vref[(layer, site)][0])["rel_l2"])
+        self.tok0 += T
+
+    def _repeat(self, vdev, vrep):
+        for key, (val, _) in vrep.items():
+            if key not in vdev:
+                continue
+            d = float(site_errors(val, vdev[key][0])["rel_l2"].max())
+            if d > 0 and (self.repeat_max is None or d > self.repeat_max["rel_l2"]):
+                self.repeat_max = {"rel_l2": d, "layer": key[0], "site": key[1], "ubatch_first_token": self.tok0}
+
+    def finish(self):
+        r = self.res
+        r.errors = {k: {m: _cat_cpu([c[m] for c in chunks]) for m in chunks[0]} for k, chunks in self.err.items()}
+        r.floor = {k: _cat_cpu(v) for k, v in self.floor.items()}
+        r.logits = {m: _cat_cpu([c[m] for c in self.logit]) for m in self.logit[0]}
+        r.trace = {k: torch.cat(v, 1) for k, v in self.kept.items()}
+        r.local = {k: _cat_cpu(v) for k, v in self.local.items()}
+        r.nondeterminism = self.repeat_max
+        P = r.n_prompt
+        lr, ld = torch.cat(self.logit_ref, 1), torch.cat(self.logit_dev, 1)
+        r.perplexity = {"reference": perplexity(lr[:, :P], r.tokens[:, :P]),
+                        "device": perplexity(ld[:, :P], r.tokens[:, :P])}
+
+
+def _cat_cpu(chunks: list) -> torch.Tensor:
+    """[S, t] metric chunks of the ubatches, on the reference's device -> one [S, n_tok] CPU tensor."""
+    return torch.cat(chunks, 1).cpu()
+
+
+def _identical(ref: torch.Tensor) -> dict:
+    zeros = torch.zeros(ref.shape[0], ref.shape[1], dtype=torch.float64, device=ref.device)
+    return {"rel_l2": zeros, "max_abs": zeros, "nmse": zeros, "cosine": torch.ones_like(zeros)}
+
+
+def _not_observed(ref: torch.Tensor) -> dict:
+    nan = torch.full((ref.shape[0], ref.shape[1]), math.nan, dtype=torch.float64, device=ref.device)
+    return {m: nan for m in METRICS}
+
+
+def _at_last(v: torch.Tensor, T: int) -> torch.Tensor:
+    """[S, 1] -> [S, T] with NaN everywhere but the last token."""
+    out = torch.full((v.shape[0], T), math.nan, dtype=torch.float64, device=v.device)
+    out[:, -1] = v[:, 0]
+    return out

@@ -1,0 +1,81 @@
+"""Memory a comparison needs, estimated before anything runs, and the refusals that follow from it.
+
+Every estimate counts the per-site sizes the layer types declare (`arch.site_elements`); tests check them against
+a real kept trace to the byte.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .arch import layer_site_elements, layer_sites, param_shapes, site_elements
+from .config import ModelConfig
+from .errors import MambaDebugError
+from .settings import RunSettings
+
+FITTING_UBATCHES = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def ubatch_capture_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int = 1) -> int:
+    """Bytes of one ubatch of captured sites for the three runners (device and ref32 float32, ref64 float64): every
+    layer site, the per-token SSM states included, and the head. They are held until the ubatch's metrics are taken,
+    so with capture='metrics' this, not the prompt length, is what a comparison's working memory grows with."""
+    el = site_elements(cfg)
+    per_token = sum(sum(layer.values()) for layer in layer_site_elements(cfg)) + el["final_norm"] + el["logits"]
+    at_end = sum(math.prod(spec.shape(cfg)) for spec in _end_states(cfg))
+    return n_seqs * (ubatch * per_token + at_end) * (4 + 4 + 8)
+
+
+def _end_states(cfg: ModelConfig) -> list:
+    """The states taken at ubatch ends only (not per token), over every layer."""
+    from .arch import layer_type  # noqa: PLC0415 (same package level; kept local to read as one fact)
+    return [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if not spec.per_token]
+
+
+def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int) -> int:
+    """GPU bytes of a comparison whose reference sides run on the GPU: float32 and float64 weights, one ubatch of
+    captured sites for the three runners, the float64 metric scratch of the largest site (the per-token states)
+    and the logits kept for perplexity. (2.8B shape, ubatch 256, 2052 tokens: 72.7 GB estimated, 72.7 GB
+    measured on an H200, benchmarks/results/gpu_e2e.md.)"""
+    params = sum(math.prod(shape) for shape in param_shapes(cfg).values())
+    scratch = 8 * n_seqs * ubatch * max(site_elements(cfg).values()) * 8
+    logits = 2 * n_seqs * n_tok * cfg.vocab_size * 4
+    return params * (4 + 8) + ubatch_capture_bytes(cfg, ubatch, n_seqs) + scratch + logits
+
+
+def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: Optional[float] = None):
+    """Refuse, before loading anything, a ubatch whose GPU working set would not fit (reference sides on the GPU)."""
+    if s.ref_device != "cuda":
+        return
+    if total_bytes is None:
+        total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    need = comparison_gpu_bytes(cfg, s.ubatch, s.n_seqs, n_tok)
+    if need <= 0.9 * total_bytes:
+        return
+    fits = next((u for u in FITTING_UBATCHES
+                 if u < s.ubatch and comparison_gpu_bytes(cfg, u, s.n_seqs, n_tok) <= 0.9 * total_bytes), None)
+    fix = (f"use --ubatch {fits} (about {comparison_gpu_bytes(cfg, fits, s.n_seqs, n_tok) / 1e9:.0f} GB)" if fits
+           else "the weights alone do not fit: use --ref-device cpu")
+    raise MambaDebugError(f"with the reference sides on the GPU, ubatch {s.ubatch} needs about {need / 1e9:.0f} GB "
+                          f"of GPU memory (weights in float32 and float64, every site of one ubatch for the three "
+                          f"runners), over 90% of the {total_bytes / 1e9:.0f} GB there: {fix}")
+
+
+def check_budget(cfg: ModelConfig, s: RunSettings, n_tok: int):
+    """The kept trace (host memory): both sides of every kept site, the device's float32 and the reference side's
+    float32 (ref32, the default) or float64 (reference='float64'), counted with the per-site sizes of
+    ubatch_capture_bytes (tests/test_engine.py checks the estimate against a kept trace)."""
+    if s.capture == "metrics":
+        return
+    el = site_elements(cfg)
+    layers = len(s.capture_layers) if s.capture_layers else cfg.n_layer
+    sites = [x for x in layer_sites(cfg) if not s.capture_sites or x in s.capture_sites]
+    per_tok = layers * sum(el[x] for x in sites) + el["final_norm"] * (not s.capture_sites) + el["logits"]
+    mb = (4 + (8 if s.reference_is_float64 else 4)) * s.n_seqs * n_tok * per_tok / 2**20
+    if mb > s.memory_budget_mb:
+        raise MambaDebugError(
+            f"capturing every site would keep about {mb:.0f} MB of tensors, over the {s.memory_budget_mb:.0f} MB "
+            f"budget: use capture='metrics' (metrics only), or capture='sites' with fewer layers/sites, or raise "
+            f"the budget (--memory-budget-mb)")
