@@ -312,7 +312,8 @@ def main():
         save()
         return
     if os.environ.get("H200_TIMINGS_ONLY") != "1":
-        for path in ("tests/test_triton_kernels.py", "tests/test_fused_decode.py", "tests/test_site_metrics.py"):
+        for path in ("tests/test_triton_kernels.py", "research/fused_decode/test_fused_decode.py",
+                     "tests/test_site_metrics.py"):
             correctness.append(_pytest(path))
             save()
         correctness.extend(engine_on_cuda())
