@@ -1,5 +1,6 @@
 """One H200 call: correctness of the Triton kernels and of the engine with the kernels compiled for CUDA, then
-kernel timings with their byte floors. Writes benchmarks/results/h200.json (+ .md) into $OUT (or results/).
+kernel timings with their byte floors. Writes h200.json (+ .md) into $OUT (default benchmarks/results/; a partial
+run, H200_QUICK, H200_TIMINGS_ONLY or H200_TUNE, defaults to out/benchmarks-h200/).
 
 Run on the GPU machine (TRITON_INTERPRET must be unset or 0 when triton is first imported):
     TRITON_INTERPRET=0 python benchmarks/h200.py
@@ -30,9 +31,12 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 import mamba_debug as md  # noqa: E402
 from mamba_debug import ops  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
 # H200_QUICK=1: the correctness checks in full, the timings only at the shapes with reference figures (a short lease)
 QUICK = os.environ.get("H200_QUICK") == "1"
+# a partial run (quick, timings only, or the launch-plan search H200_TUNE=1) never overwrites the recorded full run
+# in benchmarks/results unless $OUT says where to write
+PARTIAL = QUICK or any(os.environ.get(k) == "1" for k in ("H200_TUNE", "H200_TIMINGS_ONLY"))
+OUT = Path(os.environ.get("OUT", ROOT / ("out/benchmarks-h200" if PARTIAL else "benchmarks/results")))
 OUT.mkdir(parents=True, exist_ok=True)
 TODAY = datetime.date.today().isoformat()
 # measured on an H200 on 2026-11-30 (research/perf-anchors.md §8): (op, d_inner, L, batch) -> µs
@@ -312,7 +316,8 @@ def main():
         save()
         return
     if os.environ.get("H200_TIMINGS_ONLY") != "1":
-        for path in ("tests/test_triton_kernels.py", "tests/test_fused_decode.py", "tests/test_site_metrics.py"):
+        for path in ("tests/test_triton_kernels.py", "research/fused_decode/test_fused_decode.py",
+                     "tests/test_site_metrics.py"):
             correctness.append(_pytest(path))
             save()
         correctness.extend(engine_on_cuda())

@@ -420,8 +420,8 @@ def _conv_config(S: int, T: int, D: int, device=None) -> dict:
         block_t = min(triton.next_power_of_2(T), max(1, 2 ** 16 // block_d))   # tiles up to 64K elements
         return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=1)
     # Long prompts: 64 channels x 32 tokens x the K taps, 4 warps, the best of 108 plans on an H200 (26.0 us at
-    # d_inner 5120, L 2048, batch 1; benchmarks/results/h200_tuning_run1.json). Short ubatches and decode keep
-    # 128-channel rows (1.6 us per decode step at batch 1).
+    # d_inner 5120, L 2048, batch 1; benchmarks/results/h200_tuning_run1.json, now in git history). Short ubatches
+    # and decode keep 128-channel rows (1.6 us per decode step at batch 1).
     block_d, block_t = (64, 32) if T >= 32 else (128, triton.next_power_of_2(T))
     return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=max(1, min(4, block_d * block_t * 4 // 512)))
 
@@ -449,11 +449,11 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
         block_d = next((b for b in (64, 32) if S * triton.cdiv(D, b) >= 2 * sms), 16)
         return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, PREFETCH=1,
                     num_warps=max(1, min(8, block_d * block_n // 512)))
-    # Long prompts (benchmarks/results/h200_tuning_run{2,3,4}.json: 60-80 plans per shape on an H200): 64-channel
-    # programs of two warps, two tokens loaded ahead. Many sequences fill the GPU on their own (1103 us at d_inner
-    # 5120, L 2048, batch 8); a few also cut time into chunks, at most 10 programs (20 warps) per SM in all, so
-    # that they run in one wave: at d_inner 5120, L 2048, batch 1, 16 chunks took 187 us and 17 (one program too
-    # many per SM for some) 227 us; about 970 us in one pass. 85 us at d_inner 1536 (32 chunks).
+    # Long prompts (benchmarks/results/h200_tuning_run{2,3,4}.json, now in git history: 60-80 plans per shape on an
+    # H200): 64-channel programs of two warps, two tokens loaded ahead. Many sequences fill the GPU on their own
+    # (1103 us at d_inner 5120, L 2048, batch 8); a few also cut time into chunks, at most 10 programs (20 warps)
+    # per SM in all, so that they run in one wave: at d_inner 5120, L 2048, batch 1, 16 chunks took 187 us and 17
+    # (one program too many per SM for some) 227 us; about 970 us in one pass. 85 us at d_inner 1536 (32 chunks).
     programs = S * triton.cdiv(D, 64)
     n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 10 * sms // programs))
     return dict(schedule="steps", BLOCK_D=64, n_chunks=n_chunks, PREFETCH=2, num_warps=2)

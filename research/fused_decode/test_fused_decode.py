@@ -1,4 +1,4 @@
-"""The fused single-token decode step (kernels/_fused_decode.py) against the float64 reference and the engine's layer.
+"""The fused single-token decode step (fused_decode.py) against the float64 reference and the engine's layer.
 
 Runs on the CPU under Triton's interpreter (CI, laptops), one launch per phase. On a GPU machine run it again with
 MAMBA_DEBUG_TEST_DEVICE=cuda: the kernel is compiled, and the GPU-only tests check that the one-launch step (grid
@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_model
 from mamba_debug.plugins import exec_file
 
 DEVICE = os.environ.get("MAMBA_DEBUG_TEST_DEVICE", "interpret")    # "interpret" or "cuda"
@@ -27,7 +26,11 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("MAMBA_DEBUG_TEST_DEVICE=cuda but no GPU", allow_module_level=True)
 
 NMSE_VS_FP64 = 1e-11    # as tests/test_triton_kernels.py: fp32 rounding is ~1e-14, a wrong index ~1
-KERNEL = Path(__file__).resolve().parent.parent / "kernels" / "_fused_decode.py"
+HERE = Path(__file__).resolve().parent
+KERNEL = HERE / "fused_decode.py"
+# random_model from tests/conftest.py, executed by path (this folder is not under tests/, and a second module
+# named "conftest" would clash with pytest's own)
+random_model = exec_file(HERE.parent.parent / "tests" / "conftest.py", "mamba_debug_research_test_helpers").random_model
 
 
 def _load():

@@ -1,4 +1,4 @@
-"""The fused one-launch decode step (kernels/_fused_decode.py) on a GPU: correctness, then timings in CUDA graphs.
+"""The fused one-launch decode step (fused_decode.py) on a GPU: correctness, then timings in CUDA graphs.
 
 For a 2.8B-shaped layer (d_model 2560: D = 5120, N = 16, K = 4, R = 160) at S = 1, 8, 64 sequences, one token:
   * checks: the one-launch step equals the per-phase launches bit for bit, and its NMSE against the float64
@@ -15,8 +15,8 @@ For a 2.8B-shaped layer (d_model 2560: D = 5120, N = 16, K = 4, R = 160) at S = 
   * floor: the bytes that must move (x_proj, dt_proj, conv_w, conv_b, A, D, dt_bias, both states read and written,
     xz, y) / the copy bandwidth (`copy_gb_s` if the caller measured it, else 3.3 TB/s).
 
-Called by benchmarks/h200.py as `bench_rows(date, copy_gb_s=...)`, or alone on the GPU machine:
-    TRITON_INTERPRET=0 python benchmarks/fused_decode_bench.py [--copy-gb-s 4220] [--batches 1,8,64]
+Called as `bench_rows(date, copy_gb_s=...)`, or alone on the GPU machine:
+    TRITON_INTERPRET=0 python research/fused_decode/bench.py [--copy-gb-s 4220] [--batches 1,8,64]
 which prints a table and, when $OUT is set, writes $OUT/fused_decode.json. Each batch size runs on its own: a
 failure is printed with its traceback and recorded as a row with "error", and the other sizes still run, except
 after a step that never finishes (a grid barrier that deadlocks wedges the GPU: nothing more can run; the script
@@ -35,7 +35,8 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -64,8 +65,8 @@ def _load(name: str, path: Path):
 
 
 def kernels():
-    """(kernels/_fused_decode.py, kernels/triton.py), compiled for cuda, loaded by path."""
-    return (_load("mamba_debug_bench_fused_decode", ROOT / "kernels" / "_fused_decode.py"),
+    """(research/fused_decode/fused_decode.py, kernels/triton.py), compiled for cuda, loaded by path."""
+    return (_load("mamba_debug_bench_fused_decode", HERE / "fused_decode.py"),
             _load("mamba_debug_bench_triton", ROOT / "kernels" / "triton.py"))
 
 
@@ -156,7 +157,7 @@ def graph_us(step, n_steps: int = STEPS, replays: int = REPLAYS) -> float:
 # -- one batch size ------------------------------------------------------------------------------------------------
 def _plans(S: int) -> list[tuple[str, dict]]:
     """(label, config) of the fused plans timed: the default first."""
-    # runs of 2026-11-30 (benchmarks/results/fused_decode_run1.json, fused_decode.json) also timed the weights
+    # runs of 2026-11-30 (results/fused_decode_run1.json, fused_decode.json) also timed the weights
     # loaded at the start or just before each barrier (the kernel's option then: no faster, removed since),
     # "16 x_proj rows x 11 slices" (slower) and 2 warps (slower)
     plans = [("default", {}), ("conv recomputed (one barrier)", {"conv": "recompute"}),
@@ -276,7 +277,7 @@ def bench_rows(date: str, copy_gb_s: float | None = None, batches=BATCHES, log=p
     "date", "nmse_vs_fp64", "bitwise_one_vs_three", ...} for every batch size; a failing size gives a row with
     "error" and the others still run. copy_gb_s: the device-to-device copy bandwidth measured by the caller (GB/s)."""
     if not torch.cuda.is_available():
-        raise RuntimeError("fused_decode_bench needs a CUDA GPU")
+        raise RuntimeError("research/fused_decode/bench.py needs a CUDA GPU")
     fd, trit = kernels()
     bw = copy_gb_s * 1e9 if copy_gb_s else HBM_BYTES_PER_S
     rows = []

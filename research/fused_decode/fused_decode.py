@@ -43,20 +43,19 @@ variant on a GPU, the launcher runs PHASE = 0, 1, 2 as separate launches of the 
 and the same plan: the same code and arithmetic. Interpreted, the results are the same bits. Compiled, the
 compiler may contract a multiply and an add into an FMA in one variant and not in the other: on an H200 they
 agreed bit for bit at batch 8 and 64 and to NMSE ~1e-14 at batch 1, each as close to float64
-(tests/test_fused_decode.py checks both against float64 and against each other with MAMBA_DEBUG_TEST_DEVICE=cuda;
-repeated one-launch steps give the same bits, which a barrier race would break).
+(test_fused_decode.py, beside this file, checks both against float64 and against each other with
+MAMBA_DEBUG_TEST_DEVICE=cuda; repeated one-launch steps give the same bits, which a barrier race would break).
 
-Measured on an H200 (benchmarks/results/fused_decode.json, d_inner 5120, CUDA graphs): 6.9 µs per layer at
+Measured on an H200 (results/fused_decode.json beside this file, d_inner 5120, CUDA graphs): 6.9 µs per layer at
 batch 1 (the unfused sequence: 20.5 µs), 25.7 µs at batch 8 (37.7), but 160 µs at batch 64 (65.6): there the
 GEMVs of x_proj and dt_proj, done by CUDA cores inside the kernel, lose to cuBLAS. Each grid barrier costs about
-1.1 µs (benchmarks/grid_barrier_probe.py), a launch about 1.5 µs, so one launch of three phases stays above the
-issue's 2.5 µs goal.
+1.1 µs (grid_barrier_probe.py), a launch about 1.5 µs, so one launch of three phases stays above the issue's
+2.5 µs goal.
 
-This is not an op plug-in (the leading underscore keeps it out of mamba_debug.plugins' list): DESIGN.md's op
-contract has per-op entries (ssm_conv, ssm_scan, linear, ...) and no fused layer op, so the engine does not call
-it. `decode_step_reference` is the float64 torch reference built from mamba_debug.ops, in `_layer`'s order.
-It is timed against the unfused sequence by benchmarks/fused_decode_bench.py (`bench_rows`), meant to be called
-from benchmarks/h200.py.
+This is not an op plug-in, and it lives outside kernels/ (in research/fused_decode/): DESIGN.md's op contract has
+per-op entries (ssm_conv, ssm_scan, linear, ...) and no fused layer op, so the engine does not call it.
+`decode_step_reference` is the float64 torch reference built from mamba_debug.ops, in `_layer`'s order.
+It is timed against the unfused sequence by bench.py beside this file (`bench_rows`).
 
 Rules as in kernels/triton.py: every tensor is read through its strides (xz is a strided view in the engine),
 offsets are 64-bit, inputs are never written (except the states when the caller passes them as the outputs:
@@ -316,7 +315,7 @@ def _fused_decode_kernel(
     #    and stores, so that in one launch their latency overlaps the barrier. With one launch per phase they sit
     #    before the phase's work: the same code, only the launch differs. (Loading everything at the start, or each
     #    phase's weights just before the barrier in front of it, was no faster on an H200:
-    #    benchmarks/results/fused_decode_run1.json.) ---------------------------------------------------------
+    #    research/fused_decode/results/fused_decode_run1.json.) ----------------------------------------------
     if (PHASE == 1) | (PHASE == -1):
         w1 = _xproj_weights(xp_ptr, pid, R, N, D, D_SPLIT, N_RK, s_xp_r, s_xp_d, KS, ROWS, BLOCK_C)
     if (PHASE == 2) | (PHASE == -1):
@@ -462,7 +461,7 @@ def plan(S: int, D: int, N: int, R: int, K: int, *, device=None, **overrides) ->
         idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
         sms = _sm_count(idx)
     # 8 warps, but 4 for one sequence (H200, d_inner 5120: 6.9 us against 8.2 at batch 1; at batch 8, 8 warps
-    # 25.7 us against 34.8; benchmarks/results/fused_decode.json)
+    # 25.7 us against 34.8; research/fused_decode/results/fused_decode.json)
     p = dict(conv="phase", num_warps=4 if S == 1 else 8)
     grid = overrides.get("grid")
     cap = min(sms, grid) if grid else sms

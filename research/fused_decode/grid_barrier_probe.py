@@ -2,7 +2,8 @@
 
 Each of P programs (P <= SMs, all co-resident) writes a value, passes the barrier, then reads its neighbour's value;
 repeated with ROUNDS barriers per launch, eagerly and in a CUDA graph. Prints errors and µs per barrier.
-Run: TRITON_INTERPRET=0 python benchmarks/grid_barrier_probe.py
+Run: TRITON_INTERPRET=0 python research/fused_decode/grid_barrier_probe.py
+(prints the table; writes $OUT/grid_barrier_probe.json when $OUT is set)
 """
 import json
 import os
