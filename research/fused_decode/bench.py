@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from mamba_debug import ops  # noqa: E402
-from mamba_debug.plugins import exec_file  # noqa: E402
+from mamba_debug.triton_env import exec_file  # noqa: E402
 
 D_INNER, D_STATE, D_CONV, DT_RANK = 5120, 16, 4, 160          # a 2.8B layer (d_model 2560)
 BATCHES = (1, 8, 64)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mamba_debug.plugins import exec_file
+from mamba_debug.triton_env import exec_file
 
 DEVICE = os.environ.get("MAMBA_DEBUG_TEST_DEVICE", "interpret")    # "interpret" or "cuda"
 TORCH_DEVICE = "cuda" if DEVICE == "cuda" else "cpu"
@@ -202,7 +202,7 @@ def test_sequences_are_independent():
 
 def test_five_tokens_carried_equal_the_engine_layer():
     """mamba_debug.model.Runner on the float64 reference back-end runs a 2-layer random model token by token; the
-    hook records each layer's `xz`, `y_gated` and states. The fused step, given the same `xz` each token and carrying
+    observer records each layer's `xz`, `y_gated` and states. The fused step, given the same `xz` each token and carrying
     its own float32 states in place from zero, matches y_gated at every token and the states at the end."""
     from mamba_debug.backends import reference_backend
     from mamba_debug.model import Runner
@@ -212,11 +212,12 @@ def test_five_tokens_carried_equal_the_engine_layer():
     S, T = 2, 5
     sites = {}
 
-    def hook(layer, site, value, per_token):
-        if layer is not None and site in ("xz", "y_gated", "conv_state", "ssm_state"):
-            sites.setdefault((layer, site), []).append(value.detach().clone())
+    class Record:
+        def site(self, layer, site, value, per_token):
+            if layer is not None and site in ("xz", "y_gated", "conv_state", "ssm_state"):
+                sites.setdefault((layer, site), []).append(value.detach().clone())
 
-    runner = Runner(model, reference_backend(), hook=hook)
+    runner = Runner(model, reference_backend(), observer=Record())
     tokens = torch.randint(0, c.vocab_size, (S, T), generator=torch.Generator().manual_seed(0))
     runner.reset(S)
     for t in range(T):
