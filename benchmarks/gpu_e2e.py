@@ -41,13 +41,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mamba_debug.backends import cpu_threads_for, device_backend  # noqa: E402
-from mamba_debug.compare import (CompareSettings, _Capture, comparison_gpu_bytes, run_compare,  # noqa: E402
+from mamba_debug.sides import Capture as _Capture  # noqa: E402
+from mamba_debug.compare import (CompareSettings, comparison_gpu_bytes, run_compare,  # noqa: E402
                                  ubatch_capture_bytes)
 from mamba_debug.config import MambaConfig  # noqa: E402
 from mamba_debug.metrics import METRICS, site_errors  # noqa: E402
 from mamba_debug.model import MambaModel, Runner  # noqa: E402
 from mamba_debug.ops import OpTable  # noqa: E402
-from mamba_debug.weights import expected_shapes  # noqa: E402
+from mamba_debug.arch import param_shapes as expected_shapes  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
 # --small (a check on a CPU) never overwrites the recorded GPU figures unless $OUT says where to write
@@ -197,16 +198,16 @@ def free_memory(host_cache=True):
 
 # -- part 2: tracing levels ------------------------------------------------------------------------------------
 class Tap:
-    """A benchmark hook: hands the chosen sites (all when `sites` is None) to `inner` and counts their bytes."""
+    """A benchmark observer: hands the chosen sites (all when `sites` is None) to `inner` and counts their bytes."""
 
     def __init__(self, inner=None, sites=None):
         self.inner, self.sites, self.bytes = inner, sites, 0
 
-    def __call__(self, layer, site, value, per_token):
+    def site(self, layer, site, value, per_token):
         if self.inner is None or self.sites is not None and site not in self.sites:
             return
         self.bytes += value.numel() * value.element_size()
-        self.inner(layer, site, value, per_token)
+        self.inner.site(layer, site, value, per_token)
 
 
 class KeepOnDevice:
@@ -215,21 +216,21 @@ class KeepOnDevice:
     def __init__(self):
         self.kept = []
 
-    def __call__(self, layer, site, value, per_token):
+    def site(self, layer, site, value, per_token):
         self.kept.append(value.detach().clone())
 
 
 class PageableCapture(_Capture):
     """The engine's hook before pinned copies: one pageable, synchronous `.to("cpu")` per site."""
 
-    def __call__(self, layer, site, value, per_token):
+    def site(self, layer, site, value, per_token):
         self.values[(layer, site)] = (value.detach().to("cpu", copy=True), per_token)
 
 
 def metrics_on_device(values: dict):
     """What capture='metrics' does per site with the reference on the GPU, through the engine's own metric path:
     `site_errors` (on CUDA the fused Triton kernel of mamba_debug/_site_metrics.py, one launch per site, or two for
-    a state taken at the ubatch's end) on each site as compare._Accumulator hands it over (v[:, None] for a value
+    a state taken at the ubatch's end) on each site as the engine's Accumulator hands it over (v[:, None] for a value
     taken once per ubatch), all four metrics kept on the device, one transfer per ubatch, nothing else kept.
     This run has no reference side, so each site is compared with itself: the kernel reads it twice (the second
     read partly from cache), where the engine reads a distinct float32 or float64 reference and also takes the
@@ -311,7 +312,7 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
             log(f"  skipped ({reason}): {lv['what']}")
             continue
         tap, keep = lv["tap"], lv["keep"]
-        runner = Runner(model, lv["backend"], hook=tap)
+        runner = Runner(model, lv["backend"], observer=tap)
 
         def run():
             tap.bytes = 0

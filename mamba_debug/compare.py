@@ -54,9 +54,11 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     placement = s.placement(cfg.n_layer)
     tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     check_budget(cfg, s, tokens.shape[1] + s.n_gen)
-    check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
+    ref_device = resolve_ref_device(s.ref_device)
+    if ref_device.type == "cuda":
+        check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
     t0 = time.perf_counter()
-    sides = build_sides(model, s, placement, SharedReference(_cache_for(ref_cache, model, tokens, s)))
+    sides = build_sides(model, s, placement, ref_device, SharedReference(_cache_for(ref_cache, model, tokens, s)))
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict()}, placement=placement,
                         sides={k: v.info for k, v in sides.items() if k in ("ref32", "ref64", "device")},
                         layer_sites=[lt.sites for lt in sides["device"].runner.layer_types],
@@ -70,10 +72,9 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     return res
 
 
-def build_sides(model: Model, s: RunSettings, placement, shared: SharedReference) -> dict:
-    """The sides of one comparison, by role. The reference sides run plain torch ops where `ref_device` says; the
-    device side shares their float32 host blocks (prefix_from=ref32)."""
-    ref_device = resolve_ref_device(s.ref_device)
+def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.device, shared: SharedReference) -> dict:
+    """The sides of one comparison, by role. The reference sides run plain torch ops on `ref_device`; the device
+    side shares their float32 host blocks (prefix_from=ref32)."""
     to_host = s.ref_device == "cpu"
     host = cpu_backend(ref_device)
     ref64_backend = reference_backend(ref_device)

@@ -11,14 +11,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mamba_debug.config import MambaConfig  # noqa: E402
 from mamba_debug.model import MambaModel  # noqa: E402
-from mamba_debug.weights import expected_shapes  # noqa: E402
+from mamba_debug.arch import param_shapes  # noqa: E402
 
 
 def random_params(cfg: MambaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Weights of realistic scale: A = -exp(A_log) with A_log ~ log(1..N), dt bias around softplus^-1(0.01..0.1)."""
     g = torch.Generator().manual_seed(seed)
     params = {}
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in param_shapes(cfg).items():
         leaf = name.split(".")[-1]
         if leaf in ("norm", "norm_f"):
             t = 1 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)

@@ -151,20 +151,20 @@ def test_bad_settings_are_clear_errors(model):
 def test_memory_estimate_matches_the_kept_trace(model, reference, nbytes):
     """The budget check counts what capture='all' really keeps (both sides, every site, the head): the estimate
     is the kept trace but for the conv states (one row per ubatch, not per token), and it refuses just below."""
-    from mamba_debug.compare import _check_budget, site_elements
-    from mamba_debug.model import LAYER_SITES
+    from mamba_debug.arch import layer_sites, site_elements
+    from mamba_debug.budget import check_budget
     res = _run(model, capture="all", n_seqs=2, reference=reference)
     kept = sum(t.numel() * t.element_size() for t in res.trace.values())
     c, n_tok = model.config, res.tokens.shape[1]
     el = site_elements(c)
-    estimate = nbytes * 2 * n_tok * (c.n_layer * sum(el[s] for s in LAYER_SITES) + el["final_norm"] + el["logits"])
+    estimate = nbytes * 2 * n_tok * (c.n_layer * sum(el[s] for s in layer_sites(c)) + el["final_norm"] + el["logits"])
     n_ubatches = -(-len(PROMPT) // 4) + 4                       # the prompt in ubatches of 4, then 4 generated
     conv_state_rows = nbytes * 2 * c.n_layer * (c.d_conv - 1) * c.d_inner * n_ubatches
     assert kept == estimate + conv_state_rows
     settings = dict(capture="all", n_seqs=2, reference=reference)
-    _check_budget(model, CompareSettings(**settings, memory_budget_mb=1.01 * estimate / 2**20), n_tok)
+    check_budget(c, CompareSettings(**settings, memory_budget_mb=1.01 * estimate / 2**20), n_tok)
     with pytest.raises(MambaDebugError, match="budget"):
-        _check_budget(model, CompareSettings(**settings, memory_budget_mb=0.99 * estimate / 2**20), n_tok)
+        check_budget(c, CompareSettings(**settings, memory_budget_mb=0.99 * estimate / 2**20), n_tok)
 
 
 def test_crashing_plugin_is_a_clear_error(model, plugin):
@@ -273,11 +273,12 @@ def test_reference_device_defaults_to_cpu_and_bad_values_are_clear(model):
 def test_reference_device_code_path_gives_the_cpu_result(model, plugin, monkeypatch):
     """ref_device='cuda' keeps the captured tensors where they were computed and takes the metrics there. CI has no
     GPU, so map 'cuda' to the CPU: that code path must then give exactly the default path's result."""
-    from mamba_debug import compare
+    from mamba_debug import compare, settings
     kw = dict(offload=2, kernels=plugin(STRIDED_SILU), capture="sites", capture_sites=["gate", "ssm_state"],
               local=True, repeat=2)
     base = _run(model, **kw)
     monkeypatch.setattr(compare, "resolve_ref_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(settings, "resolve_ref_device", lambda name: torch.device("cpu"))
     other = _run(model, ref_device="cuda", **kw)
     assert other.first_divergence == base.first_divergence and other.first_divergence is not None
     assert other.generations == base.generations and other.perplexity == base.perplexity
@@ -292,11 +293,11 @@ def test_reference_device_code_path_gives_the_cpu_result(model, plugin, monkeypa
 
 
 def test_capture_copies_values_and_keeps_them_where_asked():
-    from mamba_debug.compare import _Capture
+    from mamba_debug.sides import Capture
     x = torch.arange(6.0).reshape(1, 2, 3)
     for to_host in (True, False):
-        cap = _Capture(to_host=to_host)
-        cap(0, "norm", x[..., :2], True)
+        cap = Capture(to_host=to_host)
+        cap.site(0, "norm", x[..., :2], True)
         x_before = x.clone()
         x.add_(1)                                   # an op writing into the tensor later must not change the capture
         (value, per_token), = cap.take().values()
@@ -306,7 +307,7 @@ def test_capture_copies_values_and_keeps_them_where_asked():
 def test_gpu_reference_refuses_a_ubatch_that_cannot_fit():
     """2.8B shape with the reference sides on the GPU: ubatch 512 fits 141 GB (an H200), not 80 GB; the error
     names the largest ubatch that does. Checked before any weight is touched, so it runs without a GPU."""
-    from mamba_debug.compare import check_gpu_memory, comparison_gpu_bytes
+    from mamba_debug.budget import check_gpu_memory, comparison_gpu_bytes
     from mamba_debug.config import MambaConfig
     cfg = MambaConfig(d_model=2560, n_layer=64, d_inner=5120, d_state=16, d_conv=4, dt_rank=160, vocab_size=50280)
     s = CompareSettings(ubatch=512, ref_device="cuda")

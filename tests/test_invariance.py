@@ -76,8 +76,11 @@ def test_offload_moves_layers_to_the_device_backend():
     model = random_model(seed=6, n_layer=3)
     seen = []
     dev = _same_math_device()
-    runner = Runner(model, reference_backend(), dev, Placement(3, 2),
-                    hook=lambda layer, site, v, per_token: seen.append((layer, site)))
+    class Seen:
+        def site(self, layer, site, v, per_token):
+            seen.append((layer, site))
+
+    runner = Runner(model, reference_backend(), dev, Placement(3, 2), observer=Seen())
     assert [b.name for b in runner.layer_backends] == ["reference", "device:same", "device:same"]
     assert runner.head_backend.name == "reference"
     runner.prefill(_prompts(model, S=1), 5)
