@@ -153,6 +153,7 @@ def test_untied_output_and_describe(tmp_path):
     assert torch.allclose(g.params["lm_head"], m.params["lm_head"], atol=1e-3)
     text = describe_gguf(path)
     assert "arch      mamba" in text and "F16" in text and "no tokenizer" in text
+    assert "note      " not in text and describe_gguf(path, g.notes + ["x"]).endswith("\nnote      x")
 
 
 def test_export_refuses_what_llamacpp_cannot_load(tmp_path):
@@ -271,3 +272,47 @@ def test_shipped_tiny_model_round_trip(tmp_path):
     if eos is not None:
         assert r.get_field("tokenizer.ggml.eos_token_id").contents() == eos
 
+
+# -- the vocabulary through GGUF (tokenizers library on both ends) --------------------------------------------
+ID_TEXTS = ["Elizabeth was not a little surprised.\n\nMr. Darcy bowed, and said nothing.\n",
+            "1234567890 3.14159 -42 1e-5 on 2024-11-30, 007",
+            "Ünïcode: café, naïve, Straße, Ελληνικά, 日本語, emoji 🙂👍",
+            "tabs\tand  double  spaces \r\n   trailing   ",
+            "<|endoftext|>It began again.<|endoftext|>and again<|endoftext|>", ""]
+
+
+def _same_ids(a, b, texts):
+    for text in texts:
+        ids = a.encode(text).ids
+        assert b.encode(text).ids == ids, text
+        assert b.decode(ids) == a.decode(ids), text
+
+
+def test_shipped_tokenizer_same_ids_after_gguf_round_trip(tmp_path):
+    """The shipped model's tokenizer and the one rebuilt from its exported GGUF: same vocabulary, same special
+    tokens, same ids and decoded text (non-ASCII, newlines, digits, the special token); GGUF -> GGUF is a fixed point."""
+    if not (DEFAULT_MODEL / "tokenizer.json").is_file():
+        pytest.skip(f"the shipped tiny model is not in {DEFAULT_MODEL}")
+    shipped = load_model().tokenizer
+    rebuilt = load_gguf(export_gguf(load_model(), tmp_path / "a.gguf")).tokenizer
+    again = load_gguf(export_gguf(load_gguf(tmp_path / "a.gguf"), tmp_path / "b.gguf")).tokenizer
+    assert rebuilt.get_vocab() == shipped.get_vocab() == again.get_vocab()
+    added = lambda t: {i: (a.content, a.special) for i, a in t.get_added_tokens_decoder().items()}  # noqa: E731
+    assert added(rebuilt) == added(shipped) == added(again)
+    eos = shipped.token_to_id("<|endoftext|>")
+    assert eos is not None and shipped.encode(ID_TEXTS[4]).ids.count(eos) == 3         # the special token splits
+    _same_ids(shipped, rebuilt, ID_TEXTS)
+    _same_ids(shipped, again, ID_TEXTS)
+
+
+def test_added_tokens_keep_their_type_and_ids(tmp_path, tok):
+    """A user-defined added token (type USER_DEFINED) and the special one (CONTROL) come back at their ids."""
+    from tokenizers import Tokenizer
+    t = Tokenizer.from_str(tok.to_str())
+    t.add_tokens(["<user>"])
+    m = random_model(vocab_size=t.get_vocab_size() + 3)
+    m.tokenizer = t
+    path = export_gguf(m, tmp_path / "added.gguf")
+    types = gguf.GGUFReader(str(path)).get_field("tokenizer.ggml.token_type").contents()
+    assert types[t.token_to_id("<user>")] == 4 and types[t.token_to_id("<|endoftext|>")] == 3
+    _same_ids(t, load_gguf(path).tokenizer, ID_TEXTS + ["x<user>y <user>"])
