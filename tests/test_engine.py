@@ -12,7 +12,8 @@ from mamba_debug.cli import main as cli_main
 from mamba_debug.compare import CompareSettings, run_compare
 from mamba_debug.errors import MambaDebugError, PluginError
 from mamba_debug.export import export_case
-from mamba_debug.result import load_trace, save_trace, summary, to_json
+from mamba_debug.trace import load_trace, save_trace
+from mamba_debug.views import summary, to_json
 from mamba_debug.saving import save_hf
 from mamba_debug.sweep import bisect_layer, run_sweep
 
