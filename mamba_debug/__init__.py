@@ -81,4 +81,4 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-sys.meta_path.append(_MovedModules())
+sys.meta_path.insert(0, _MovedModules())

@@ -59,7 +59,8 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
         check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
     t0 = time.perf_counter()
     sides = build_sides(model, s, placement, ref_device, SharedReference(_cache_for(ref_cache, model, tokens, s)))
-    res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict()}, placement=placement,
+    res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict(),
+                                                  **({"notes": model.notes} if model.notes else {})}, placement=placement,
                         sides={k: v.info for k, v in sides.items() if k in ("ref32", "ref64", "device")},
                         layer_sites=[lt.sites for lt in sides["device"].runner.layer_types],
                         tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
