@@ -3,7 +3,8 @@
 Run controls (prompt, offload, ubatch, kernels) make a new `RunSettings`; view controls make a new `ViewState`, one
 widget per field (`FIELD_WIDGETS`). A view field read by one view only sits above that view (the state inspector's
 layer); the others share the view row. Each view of the registry gets an output area in screen order: figure views
-an `ipywidgets.Output` (CSS class `md-<name>`), HTML views an `HTML` widget; two "half" views share a row.
+an `ipywidgets.Image` of fixed size (CSS class `md-<name>`), HTML views an `HTML` widget; two "half" views share a
+row.
 """
 from __future__ import annotations
 
@@ -173,16 +174,19 @@ class Controls:
         self.w_timing = W.HTML(layout=lay(height="20px", overflow="hidden", width="360px"))
         self.widths = {v.name: screen_width(v.figsize) for v in VIEWS}
         self.w_error = W.HTML(layout=lay(display="none"))
-        # fixed-size areas: a redraw (clear, then display) never collapses them and moves what is below
-        self.out = {v.name: W.Output(layout=lay(min_height=f"{int(v.figsize[1] * SCREEN_DPI) + 8}px",
-                                                min_width=f"{screen_width(v.figsize) + 8}px"))
+        # one image widget per figure view, its size fixed: a redraw never moves what is below it
+        self.out = {v.name: W.Image(format="png", layout=lay(width=f"{screen_width(v.figsize)}px",
+                                                             height=f"{int(v.figsize[1] * SCREEN_DPI)}px"))
                     for v in VIEWS if v.kind in ("figure", "sweep")}
         self.html = {v.name: W.HTML() for v in VIEWS if v.kind == "html"}
         self.w_text = self.html.get("generations")
         # CSS classes: handles for the browser test and for anyone styling the dashboard
         for w, cls in [(self.w_offload, "md-offload"), (self.w_ubatch, "md-ubatch"), (self.w_token, "md-token"),
                        (self.w_kernels, "md-kernels"), (self.w_error, "md-error"), (self.w_status, "md-status"),
-                       (self.w_progress, "md-progress")]:
+                       (self.w_progress, "md-progress"), (self.w_tok_prev, "md-tok-prev"),
+                       (self.w_tok_next, "md-tok-next"), (self.w_first, "md-first"), (self.w_layer, "md-layer"),
+                       (self.w_off_minus, "md-off-minus"), (self.w_off_plus, "md-off-plus"),
+                       (self.w_ub_minus, "md-ub-minus"), (self.w_ub_plus, "md-ub-plus")]:
             w.add_class(cls)
         for name, o in {**self.out, **self.html}.items():
             o.add_class(f"md-{name}")
@@ -191,14 +195,9 @@ class Controls:
         self.widget.add_class("md-dashboard")
 
     def show_png(self, name: str, png: bytes):
-        """Put a rendered view into its output area (only inside a kernel: elsewhere nothing displays)."""
-        if not in_kernel():
-            return
-        from IPython.display import Image, display  # noqa: PLC0415
-        out = self.out[name]
-        with out:
-            out.clear_output(wait=True)
-            display(Image(data=png, format="png", width=self.widths.get(name)))
+        """Put a rendered view into its image widget (a widget value: it reaches the page from any callback,
+        timers included, which a display() into an Output area does not)."""
+        self.out[name].value = png
 
     def run_widgets(self) -> dict:
         return {"prompt": self.w_prompt, "offload": self.w_offload, "ubatch": self.w_ubatch, "kernels": self.w_kernels}

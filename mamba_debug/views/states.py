@@ -144,14 +144,15 @@ class StatesView(View):
         token = v.token if v.token is not None else res.tokens.shape[1] - 1
         token = min(token, res.tokens.shape[1] - 1)
         diffs = [state_row(res, list(row), v.layer, token, which, seq=v.seq) for row, which in zip(axes, names)]
-        where = "device" if res.placement.on_device(v.layer) else "host (ref32's run: identical by construction)"
+        where = "on the device" if res.placement.on_device(v.layer) else \
+            "on the host: ref32's run, identical by construction"
         agree = [d is not None and not np.abs(d).max() > 0 for d in diffs]
         note = ""
         fd = res.first_divergence
         if fd and fd["layer"] == v.layer and fd["token"] == token and all(agree):
             note = (f"\nthe states agree at the first divergence: '{fd['site']}' goes wrong after the scan; "
                     f"layer {v.layer + 1}'s states carry it on")
-        fig.suptitle(f"layer {v.layer} ({where}), token {token}, seq {v.seq}{note}", fontsize=10)
+        fig.suptitle(f"layer {v.layer} {where}; token {token}, seq {v.seq}{note}", fontsize=10)
         first = diffs[0]
         return np.array([]) if first is None else first
 
