@@ -90,7 +90,7 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
     ax.legend(handles=[Patch(facecolor=EXACT_ZERO, label="clean: no divergence"),
                        Patch(**SPECIAL_LOOKS["not run"], label="not run"),
                        Patch(facecolor=NAN_INF, label="NaN / Inf logits")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=7, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=7, frameon=False)
     return ax
 
 
@@ -105,7 +105,7 @@ class SweepMatrixView(View):
         """The offload x ubatch matrix (one panel per number of sequences); the configuration on screen
         (`current` = (offload, ubatch)) is framed."""
         seqs = sweep.get("n_seqs") or [None]
-        axes = list(np.atleast_1d(fresh_axes(fig, 1, len(seqs), left=0.12, right=0.92, bottom=0.2, top=0.9)))
+        axes = list(np.atleast_1d(fresh_axes(fig, 1, len(seqs), left=0.12, right=0.92, bottom=0.24, top=0.9)))
         if not sweep["cells"]:
             message(axes[0], "no sweep yet: press 'run sweep'")
             axes[0].set_axis_off()
