@@ -164,6 +164,13 @@ def _settle(page, what: str):
     _wait(page, KERNEL_READY, REDRAW_TIMEOUT_S, "the kernel to go idle")
 
 
+def _shot(page, dash, path: str):
+    """A screenshot of the browser window with the dashboard's top at the top (what a person sees)."""
+    dash.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(300)
+    page.screenshot(path=path)
+
+
 def _controls_offset(page) -> float:
     """Where the offload slider sits below the dashboard's top edge (px): a steady layout keeps it."""
     return page.evaluate("""() => document.querySelector('.md-dashboard .md-offload').getBoundingClientRect().top
@@ -224,7 +231,7 @@ def test_quickstart_dashboard_in_a_real_browser(lab_server):
             seen = {"start": {c: _img_src(page, c) for c in ("md-curve", "md-heatmap", "md-states")}}
             assert seen["start"]["md-curve"], "the curve shows no picture"
             header_y = _controls_offset(page)
-            dash.screenshot(path=str(ARTIFACTS / "1-start.png"))
+            _shot(page, dash, str(ARTIFACTS / "1-start.png"))
 
             # 1. offload to 0 with the keyboard (Home): one new run, the curve and heatmap change
             _move_slider(page, "md-offload", ["Home"], "0")
@@ -240,7 +247,7 @@ def test_quickstart_dashboard_in_a_real_browser(lab_server):
             seen["offload"] = {c: _img_src(page, c) for c in ("md-curve", "md-heatmap", "md-states")}
             status_offload = page.inner_text(".md-dashboard .md-status")
             err_offload = _errors(page)
-            dash.screenshot(path=str(ARTIFACTS / "2-offload-0.png"))
+            _shot(page, dash, str(ARTIFACTS / "2-offload-0.png"))
 
             # 2. ubatch down by three arrow presses in a row: the run starts once, when the slider rests
             start_ub = int(_readout(page, "md-ubatch"))
@@ -251,7 +258,7 @@ def test_quickstart_dashboard_in_a_real_browser(lab_server):
                   REDRAW_TIMEOUT_S, f"the status to show ubatch {want_ub}")
             seen["ubatch"] = {c: _img_src(page, c) for c in ("md-curve", "md-heatmap", "md-states")}
             err_ubatch = _errors(page)
-            dash.screenshot(path=str(ARTIFACTS / "3-ubatch.png"))
+            _shot(page, dash, str(ARTIFACTS / "3-ubatch.png"))
 
             # 3. step the token back twice and forward once with the buttons: the curve follows, no run
             tok0 = int(_readout(page, "md-token"))
@@ -267,15 +274,30 @@ def test_quickstart_dashboard_in_a_real_browser(lab_server):
             timing = page.inner_text(".md-dashboard").lower()
             seen["token"] = {c: _img_src(page, c) for c in ("md-curve", "md-heatmap", "md-states")}
             err_token = _errors(page)
-            dash.screenshot(path=str(ARTIFACTS / "4-token-steps.png"))
+            _shot(page, dash, str(ARTIFACTS / "4-token-steps.png"))
 
             # 4. the first-divergence button (nothing diverged in the quickstart: says so, no error)
             page.locator(".md-dashboard .md-first").click()
             _settle(page, "the first-divergence button")
             err_first = _errors(page)
             header_y_after = _controls_offset(page)
-            dash.screenshot(path=str(ARTIFACTS / "5-first-divergence.png"))
+            _shot(page, dash, str(ARTIFACTS / "5-first-divergence.png"))
             page.screenshot(path=str(ARTIFACTS / "quickstart-page.png"), full_page=True)
+
+            # 5. saved and reopened without the live widgets: the static picture shows where the dashboard was
+            page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+            page.wait_for_timeout(1500)
+            page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+            page.wait_for_timeout(1500)
+            page.close()
+            page2 = browser.new_page(viewport={"width": 1500, "height": 1100}, device_scale_factor=2)
+            page2.goto(f"{lab_server}/lab/tree/{NOTEBOOK.name}", wait_until="domcontentloaded", timeout=120_000)
+            page2.wait_for_selector(".md-static-snapshot img", state="visible", timeout=120_000)
+            snapshot = page2.locator(".md-static-snapshot").first
+            snapshot.evaluate("e => e.scrollIntoView({block: 'start'})")
+            page2.wait_for_timeout(500)
+            n_snapshot_imgs = page2.locator(".md-static-snapshot img").count()
+            page2.screenshot(path=str(ARTIFACTS / "6-saved-notebook-without-widgets.png"))
         finally:
             browser.close()
 
@@ -291,4 +313,5 @@ def test_quickstart_dashboard_in_a_real_browser(lab_server):
     for y in (header_y_running, header_y_after):
         assert abs(y - header_y) < 2, f"the controls moved by {y - header_y:.0f} px"
     assert "redraw" in timing
+    assert n_snapshot_imgs >= 4, "the saved notebook shows no static picture of the dashboard"
     assert not [e for e in console_errors if "widget" in e.lower() and "error" in e.lower()], console_errors
