@@ -214,3 +214,21 @@ def test_lab_stops_cleanly_on_a_signal(signame, tmp_path):
             proc.kill()
         for pid in _marked_processes(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_dashboard_controls_have_tooltips_and_step_buttons(dash):
+    import ipywidgets as W
+    controls = [w for name, w in vars(dash.controls).items() if name.startswith("w_")
+                and isinstance(w, (W.Button, W.IntSlider, W.Dropdown, W.Play))]
+    assert len(controls) >= 15
+    assert all(w.tooltip for w in controls), [w for w in controls if not w.tooltip]
+    assert dash.w_offload.description == "offload" and dash.w_ubatch.description == "ubatch"
+    assert not dash.w_offload.continuous_update and not dash.w_ubatch.continuous_update
+    t = dash.w_token.value
+    dash.w_tok_prev.click()
+    assert dash.w_token.value == max(t - 1, 0) and dash.timings["source"] in ("view", "cache", "run")
+    dash.w_tok_next.click()
+    assert dash.w_token.value == min(max(t - 1, 0) + 1, dash.w_token.max)
+    dash.step("token", -10_000)
+    assert dash.w_token.value == 0                                  # clamped to the slider's range
+    assert "md-static-snapshot" in dash._snapshot_html() and "data:image/png;base64" in dash._snapshot_html()

@@ -49,7 +49,7 @@ SPECIAL_LOOKS = {
     "exact zero (identical)": dict(facecolor=EXACT_ZERO, edgecolor="none"),
     NOT_OBSERVED_LABEL: NOT_OBSERVED,
     "NaN / Inf on the device": dict(facecolor=NAN_INF, edgecolor="none"),
-    "not run": dict(facecolor=NOT_RUN, edgecolor="0.6", hatch="..", lw=0.0),
+    "not run": dict(facecolor=NOT_RUN, edgecolor="0.6", hatch="..", lw=0.8),
 }
 
 
