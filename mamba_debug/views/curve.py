@@ -3,6 +3,8 @@ above it red), the first divergence ringed, the offload boundary (host | device)
 norm, logits) has one value per token, not per layer: it is drawn over the tokens instead of as a one-point curve."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..arch import MODEL_SITES
@@ -34,7 +36,9 @@ def _plot_series(ax, x, y, thr, label):
     finite = np.concatenate([shown[np.isfinite(shown)], [] if thr is None else np.asarray(thr)[np.isfinite(thr)]])
     finite = finite[finite > 0]
     lo, hi = (finite.min() / 30, finite.max() * 30) if finite.size else (1e-10, 1.0)
-    ax.set_ylim(lo, hi)
+    with warnings.catch_warnings():      # matplotlib's "identical limits" note on a log axis of one decade
+        warnings.simplefilter("ignore", UserWarning)
+        ax.set_ylim(lo, hi)
     zero, bad = y == 0, np.isinf(y)
     if zero.any():
         ax.plot(x[zero], np.full(zero.sum(), lo), "s", color=EXACT_ZERO, mec="0.3", ms=7, clip_on=False, zorder=5)
