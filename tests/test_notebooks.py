@@ -207,8 +207,11 @@ def test_lab_stops_cleanly_on_a_signal(signame, tmp_path):
         while _marked_processes(marker) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _marked_processes(marker) == [], "processes left behind"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))                           # the port is free again
+        with socket.socket() as s:                                # nobody listens on the port any more
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+        with socket.socket() as s:                                # and a new server can take it (as servers
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # do: TIME_WAIT connections allowed)
+            s.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
             proc.kill()
