@@ -98,7 +98,8 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
         ax.set_title("device - reference", fontsize=9)
     else:
         im = ax.imshow(diff, aspect="auto", cmap="RdBu_r", vmin=-dmax, vmax=dmax, interpolation="nearest")
-        add_colorbar(ax, im).ax.tick_params(labelsize=7)
+        # each tick its own number (no "1e-6" offset above the bar, where it runs into the title)
+        add_colorbar(ax, im, format="%.1g" if dmax >= 1e-3 else "%.0e").ax.tick_params(labelsize=7)
         ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
                      color="tab:red" if rel > 1e-4 else "black")
     for a in axes:
