@@ -170,3 +170,10 @@ def test_sweep_matrix_tells_clean_diverged_and_not_run_apart(runs):
     assert "clean" in texts and "not run" in texts
     assert any(t.startswith("L2 t") and "KLD" in t for t in texts)
     assert "KLD" in fig.axes[-1].get_ylabel()                  # the colour bar is the KLD
+    # one panel per number of sequences, one colour bar
+    multi = dict(sweep, n_seqs=[1, 2], cells=sweep["cells"] + [dict(c, n_seqs=2) for c in sweep["cells"]])
+    fig = new_figure(registry.BY_NAME["sweep"].figsize)
+    registry.BY_NAME["sweep"].draw(fig, multi, None, (2, 4))
+    titles = [a.get_title() for a in fig.axes]
+    assert "1 sequence(s)" in titles and "2 sequence(s)" in titles
+    assert sum("KLD" in a.get_ylabel() for a in fig.axes) == 1

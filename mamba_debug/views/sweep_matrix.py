@@ -32,7 +32,8 @@ def _label(fd) -> str:
     return f"L{'head' if fd['layer'] is None else fd['layer']} t{fd['token']}"
 
 
-def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None, colorbar=True):
+def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None, colorbar=True, legend=True,
+                 title: Optional[str] = None):
     """offload x ubatch of one number of sequences: colour = mean KLD of diverged cells, text = first-divergence
     layer and token; clean, not-run and NaN/Inf cells in their own looks."""
     from matplotlib.colors import LogNorm, to_rgba  # noqa: PLC0415
@@ -81,12 +82,14 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
     ax.set_yticks(range(len(offs)), [str(o) for o in offs])
     ax.set_xlabel("ubatch (-ub)")
     ax.set_ylabel("offload (-ngl)")
-    ax.set_title("first divergence (layer, token) and mean KLD per configuration"
+    ax.set_title(title if title is not None else "first divergence (layer, token) and mean KLD per configuration"
                  + ("" if n_seqs is None else f", {n_seqs} sequence(s)"), fontsize=9)
     if colorbar:
         cb = add_colorbar(ax, im)
         cb.set_label("mean KLD of a diverged cell (log)", fontsize=8)
         cb.ax.tick_params(labelsize=7)
+    if not legend:
+        return ax
     ax.legend(handles=[Patch(facecolor=EXACT_ZERO, label="clean: no divergence"),
                        Patch(**SPECIAL_LOOKS["not run"], label="not run"),
                        Patch(facecolor=NAN_INF, label="NaN / Inf logits")],
@@ -105,19 +108,29 @@ class SweepMatrixView(View):
         """The offload x ubatch matrix (one panel per number of sequences); the configuration on screen
         (`current` = (offload, ubatch)) is framed."""
         seqs = sweep.get("n_seqs") or [None]
-        axes = list(np.atleast_1d(fresh_axes(fig, 1, len(seqs), left=0.12, right=0.92, bottom=0.24, top=0.9)))
+        axes = list(np.atleast_1d(fresh_axes(fig, 1, len(seqs), left=0.12, right=0.92, bottom=0.24, top=0.86 if len(seqs) > 1 else 0.9,
+                                                    wspace=0.15)))
         if not sweep["cells"]:
             message(axes[0], "no sweep yet: press 'run sweep'")
             axes[0].set_axis_off()
             return axes[0]
-        for ax, n in zip(axes, seqs):
-            sweep_matrix(sweep, ax, n_seqs=n)
+        many = len(seqs) > 1               # one panel per number of sequences: one colour bar, one legend
+        if many:
+            fig.suptitle("first divergence (layer, token) and mean KLD per configuration", fontsize=9, y=0.99)
+        for k, (ax, n) in enumerate(zip(axes, seqs)):
+            sweep_matrix(sweep, ax, n_seqs=n, colorbar=k == len(seqs) - 1, legend=k == 0,
+                         title=f"{n} sequence(s)" if many else None)
+            if many and k:
+                ax.set_ylabel("")
             if current and current[0] in sweep["offloads"] and current[1] in sweep["ubatches"]:
                 from matplotlib.patches import Rectangle  # noqa: PLC0415
                 i, j = sweep["offloads"].index(current[0]), sweep["ubatches"].index(current[1])
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="tab:blue", lw=3, zorder=5))
         if current:
-            fig.text(0.5, 0.96, "framed blue: the configuration on screen", ha="center", fontsize=7, color="tab:blue")
+            fig.text(0.5, 0.93 if many else 0.96, "framed blue: the configuration on screen", ha="center", fontsize=7,
+                     color="tab:blue")
+        if many:
+            axes[0].get_legend().set_bbox_to_anchor((0.5 * len(seqs) + 0.1, -0.2))
         return axes[0]
 
     def report_states(self, res) -> list:
