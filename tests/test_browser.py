@@ -254,7 +254,8 @@ def test_quickstart_dashboard_in_a_real_browser(lab_server):
             want_ub = str(max(1, start_ub - 3))
             _move_slider(page, "md-ubatch", ["ArrowLeft"] * 3, want_ub)
             _settle(page, "the ubatch run to finish")
-            _wait(page, f"() => /ubatch {want_ub}(?!\\d)/.test(document.querySelector('.md-dashboard .md-status').innerText)",
+            _wait(page, f"() => /ubatch {want_ub}(?!\\d)/.test("
+                        "document.querySelector('.md-dashboard .md-status').innerText)",
                   REDRAW_TIMEOUT_S, f"the status to show ubatch {want_ub}")
             seen["ubatch"] = {c: _img_src(page, c) for c in ("md-curve", "md-heatmap", "md-states")}
             err_ubatch = _errors(page)

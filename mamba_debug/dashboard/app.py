@@ -251,8 +251,8 @@ class Dashboard:
         import asyncio  # noqa: PLC0415
         if self._pending is not None:
             self._pending.cancel()
-        self.w_timing.value = ("<span style='font-size:11px;color:#a60'>offload "
-                               f"{self.w_offload.value}, ubatch {self.w_ubatch.value}: runs when the slider rests</span>")
+        self.w_timing.value = (f"<span style='font-size:11px;color:#a60'>offload {self.w_offload.value}, ubatch "
+                               f"{self.w_ubatch.value}: runs when the slider rests</span>")
         self._pending = asyncio.get_event_loop().call_later(RUN_DELAY_S, self._run_pending)
 
     def _run_pending(self):

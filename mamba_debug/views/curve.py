@@ -16,6 +16,12 @@ METRIC_LABELS = {"rel_l2": "relative L2 error  ||dev - ref|| / ||ref||", "max_ab
                  "nmse": "NMSE  mse(dev, ref) / mse(ref, 0)", "cosine": "1 - cosine(dev, ref)  (0 = same direction)"}
 
 
+def _first_div_handle():
+    """The legend entry of the first-divergence ring."""
+    from matplotlib.lines import Line2D  # noqa: PLC0415
+    return Line2D([], [], marker="o", ls="", mfc="none", mec=FIRST_DIV, mew=2, label="first divergence")
+
+
 def _values(err: np.ndarray, metric: str) -> np.ndarray:
     return np.where(np.isfinite(err), np.abs(1.0 - err), err) if metric == "cosine" else err
 
@@ -67,7 +73,7 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
             ax.axvline(token, color="0.5", lw=1.0, zorder=1)
         if fd and fd["layer"] is None and fd["site"] == site and fd["seq"] == seq:
             ax.plot(fd["token"], y[fd["token"]], "o", ms=14, mfc="none", mec=FIRST_DIV, mew=2, zorder=6)
-            handles.append(Line2D([], [], marker="o", ls="", mfc="none", mec=FIRST_DIV, mew=2, label="first divergence"))
+            handles.append(_first_div_handle())
         ax.set_xlabel("token  (dotted: ubatch boundary, blue: prompt | generated)")
         if not seen.all():
             message(ax, "not observed by the device side")
@@ -89,7 +95,7 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
         if fd and fd["layer"] is not None and fd["site"] == site and fd["seq"] == seq and \
                 (token is None or fd["token"] == token) and np.isfinite(y[fd["layer"]]) and y[fd["layer"]] > 0:
             ax.plot(fd["layer"], y[fd["layer"]], "o", ms=14, mfc="none", mec=FIRST_DIV, mew=2, zorder=6)
-            handles.append(Line2D([], [], marker="o", ls="", mfc="none", mec=FIRST_DIV, mew=2, label="first divergence"))
+            handles.append(_first_div_handle())
         if not seen.all():
             hatch_columns(ax, x[~seen])
             handles.append(not_observed_patch())

@@ -108,8 +108,9 @@ class SweepMatrixView(View):
         """The offload x ubatch matrix (one panel per number of sequences); the configuration on screen
         (`current` = (offload, ubatch)) is framed."""
         seqs = sweep.get("n_seqs") or [None]
-        axes = list(np.atleast_1d(fresh_axes(fig, 1, len(seqs), left=0.12, right=0.92, bottom=0.24, top=0.86 if len(seqs) > 1 else 0.9,
-                                                    wspace=0.15)))
+        top = 0.86 if len(seqs) > 1 else 0.9
+        axes = list(np.atleast_1d(fresh_axes(fig, 1, len(seqs), left=0.12, right=0.92, bottom=0.24, top=top,
+                                             wspace=0.15)))
         if not sweep["cells"]:
             message(axes[0], "no sweep yet: press 'run sweep'")
             axes[0].set_axis_off()
