@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .arch import layer_site_elements, layer_sites, param_shapes, site_elements
+from .arch import layer_site_elements, layer_sites, layer_type, param_shapes, site_elements
 from .config import ModelConfig
 from .errors import MambaDebugError
 from .settings import RunSettings
@@ -30,7 +30,6 @@ def ubatch_capture_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int = 1) -> int:
 
 def _end_states(cfg: ModelConfig) -> list:
     """The states taken at ubatch ends only (not per token), over every layer."""
-    from .arch import layer_type  # noqa: PLC0415 (same package level; kept local to read as one fact)
     return [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if not spec.per_token]
 
 

@@ -80,8 +80,8 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
     host = cpu_backend(ref_device)
     ref64_backend = reference_backend(ref_device)
     dev = device_backend(s.kernels, s.device)
-    info = lambda name, b, device: SideInfo(name, b.label, s.kernels if name != "ref32" and name != "ref64"  # noqa
-                                            else None, device)
+    info = lambda name, b, device: SideInfo(name, b.label, None if name in ("ref32", "ref64") else s.kernels,  # noqa
+                                            device)
     ref_is_64 = s.reference_is_float64
     sides = {
         "ref32": TorchSide(info("ref32", host, ref_device.type), model, Runner(model, host), to_host=to_host,

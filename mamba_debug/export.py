@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -99,9 +102,6 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
 def replay_case(case_dir, kernels=None):
     """Run an exported case's pytest in a fresh process (optionally against another plug-in file, e.g. your fix):
     the subprocess.CompletedProcess, returncode 0 when every recorded call matches the float64 reference."""
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
     case_dir = Path(case_dir)
     env = dict(os.environ, **({"MAMBA_DEBUG_KERNELS": str(kernels)} if kernels else {}))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

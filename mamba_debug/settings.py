@@ -5,7 +5,7 @@ build `RunSettings` directly; a sweep cell is `replace(base, offload=o, ubatch=u
 dashboard's cache key is simply (prompt, settings).
 
 `ubatch` keeps today's meaning here: tokens of each sequence per ubatch (DESIGN.md's llama.cpp meaning, tokens across
-all sequences, comes with the llama.cpp side; see docs/architecture.md).
+all sequences, comes with the llama.cpp side, as DESIGN.md's execution model says).
 """
 from __future__ import annotations
 

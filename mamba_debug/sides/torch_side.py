@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..arch import site_order
 from ..model import Model, Runner
 from ..settings import RunSettings
 from ..trace import SideInfo
@@ -97,7 +98,6 @@ class TorchSide:
         self.u, self.last = -1, None
 
     def observed_sites(self) -> frozenset:
-        from ..arch import site_order  # noqa: PLC0415
         return frozenset(site_order(self.model.config))
 
     def step(self, tokens: torch.Tensor) -> StepOutput:
