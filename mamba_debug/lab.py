@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from .errors import MambaDebugError
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 LAB_PACKAGES = ("jupyterlab", "ipywidgets", "ipykernel")
+STOP_TIMEOUT_S = 20     # JupyterLab's own shutdown (kernels included) before it is killed
 
 
 def missing_lab_packages() -> list[str]:
@@ -62,10 +64,45 @@ def cmd_lab(args) -> int:
         extra.append(f"--LabApp.default_url=/lab/tree/{first}")
     cmd = lab_command(folder, args.port, args.no_browser, args.token, extra)
     print("mamba-debug lab: " + " ".join(cmd), file=sys.stderr)
+    return run_lab(cmd, env=lab_env(), cwd=folder)
+
+
+def run_lab(cmd: list, env: dict, cwd) -> int:
+    """Run JupyterLab until it exits; SIGTERM, SIGINT and SIGHUP to this process stop it (its kernels and its
+    port with it): the signal is passed on as SIGTERM (JupyterLab's clean shutdown, no "shut down? y/n" prompt);
+    what is left after STOP_TIMEOUT_S is killed. JupyterLab runs in its own session, so a Ctrl-C in the terminal
+    reaches only this process, which passes it on once."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True)
+    stopping = []
+
+    def stop(signum, _frame):
+        stopping.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    handled = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.signal(s, stop) for s in handled}
     try:
-        return subprocess.call(cmd, env=lab_env(), cwd=folder)
-    except KeyboardInterrupt:
-        return 0
+        while True:
+            try:
+                rc = proc.wait(timeout=STOP_TIMEOUT_S if stopping else None)
+                break
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if proc.poll() is None:
+            _kill_group(proc.pid)
+            proc.wait()
+    return 0 if stopping else rc
+
+
+def _kill_group(pgid: int):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def add_lab_command(sub) -> argparse.ArgumentParser:

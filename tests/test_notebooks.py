@@ -136,3 +136,102 @@ def test_lab_command_registers():
     cmd = lab_command(REPO / "notebooks", 8123, True, "")
     assert "jupyterlab" in cmd and "--no-browser" in cmd
     assert lab_env({"PYTHONPATH": "/x"})["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/x"]
+
+
+def _marked_processes(marker: str) -> list:
+    """Pids of live processes whose environment holds `marker` (Linux /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (d / "environ").read_bytes():
+                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_lab_stops_cleanly_on_a_signal(signame, tmp_path):
+    """`mamba-debug lab` stopped by SIGTERM or SIGINT takes JupyterLab, its kernels and its port with it."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    import uuid
+
+    for mod in ("jupyterlab", "ipykernel"):
+        pytest.importorskip(mod, reason="notebook extras: pip install -r requirements-lab.txt")
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("needs /proc to find leftover processes")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    marker = f"MAMBA_DEBUG_LAB_TEST={uuid.uuid4().hex}"
+    env = dict(os.environ, **dict([marker.split("=")]), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    (tmp_path / "nb").mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "mamba_debug", "lab", "--notebooks", str(tmp_path / "nb"),
+                             "--no-browser", "--port", str(port), "--token", "", "--",
+                             "--ServerApp.ip=127.0.0.1", "--ServerApp.disable_check_xsrf=True"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"mamba-debug lab exited early ({proc.returncode})"
+            try:
+                urllib.request.urlopen(f"{url}/api/status", timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "JupyterLab did not answer in 120 s"
+                time.sleep(0.5)
+        req = urllib.request.Request(f"{url}/api/kernels", data=json.dumps({"name": "python3"}).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=60).close()          # a kernel too: it must go as well
+        deadline = time.monotonic() + 60
+        while len(_marked_processes(marker)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)                                       # mamba-debug, JupyterLab, the kernel
+        assert len(_marked_processes(marker)) >= 3, _marked_processes(marker)
+
+        proc.send_signal(getattr(signal, signame))
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _marked_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _marked_processes(marker) == [], "processes left behind"
+        with socket.socket() as s:                                # nobody listens on the port any more
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+        with socket.socket() as s:                                # and a new server can take it (as servers
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # do: TIME_WAIT connections allowed)
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _marked_processes(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_dashboard_controls_have_tooltips_and_step_buttons(dash):
+    import ipywidgets as W
+    controls = [w for name, w in vars(dash.controls).items() if name.startswith("w_")
+                and isinstance(w, (W.Button, W.IntSlider, W.Dropdown, W.Play))]
+    assert len(controls) >= 15
+    assert all(w.tooltip for w in controls), [w for w in controls if not w.tooltip]
+    assert dash.w_offload.description == "offload" and dash.w_ubatch.description == "ubatch"
+    assert not dash.w_offload.continuous_update and not dash.w_ubatch.continuous_update
+    t = dash.w_token.value
+    dash.w_tok_prev.click()
+    assert dash.w_token.value == max(t - 1, 0) and dash.timings["source"] in ("view", "cache", "run")
+    dash.w_tok_next.click()
+    assert dash.w_token.value == min(max(t - 1, 0) + 1, dash.w_token.max)
+    dash.step("token", -10_000)
+    assert dash.w_token.value == 0                                  # clamped to the slider's range
+    assert "md-static-snapshot" in dash._snapshot_html() and "data:image/png;base64" in dash._snapshot_html()

@@ -91,3 +91,89 @@ def test_report_is_built_from_the_registry(runs, tmp_path):
     assert page.count("<img") == sum(len(v.report_states(full)) for v in registry.VIEWS
                                      if v.in_report and v.kind == "figure")
     assert "did not observe 2 site(s)" in md.write_report(subset, tmp_path / "s.html").read_text()
+
+
+# -- issue 16: views that never mislead ----------------------------------------------------------------------
+def _png_size(png: bytes) -> tuple:
+    import struct
+    return struct.unpack(">II", png[16:24])
+
+
+def test_report_figures_are_crisp(runs, tmp_path):
+    import base64
+    import re
+    _, full, _ = runs
+    page = md.write_report(full, tmp_path / "r.html").read_text()
+    pngs = [base64.b64decode(m) for m in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)]
+    assert pngs and all(_png_size(p)[0] >= 900 for p in pngs), [_png_size(p) for p in pngs]
+
+
+def test_heatmap_is_error_over_threshold_centred_on_one(runs):
+    from mamba_debug.views.base import RATIO_LABEL
+    _, full, _ = runs
+    fig = new_figure(registry.BY_NAME["heatmap"].figsize)
+    ratio = registry.BY_NAME["heatmap"].draw(fig, full, ViewState(site="gate"))
+    ax = fig.axes[0]
+    im = ax.images[0]
+    assert im.norm.vmin == -im.norm.vmax                        # log10(ratio): 0 (= threshold) in the middle
+    fd = full.first_divergence
+    assert ratio[fd["layer"], fd["token"]] > 1                  # the first divergence is above its threshold
+    assert (ratio[: full.placement.first_device_layer] == 0).all()   # host layers: exact zero, not "small"
+    assert RATIO_LABEL in fig.axes[-1].get_ylabel()             # the colour bar says "above 1 = bug"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    for look in ("exact zero (identical)", NOT_OBSERVED_LABEL, "NaN / Inf on the device", "not run",
+                 "first divergence", "offload boundary"):
+        assert look in labels, labels
+
+
+def test_curve_marks_threshold_and_model_level_sites_are_not_one_point(runs):
+    _, full, _ = runs
+    view = registry.BY_NAME["curve"]
+    fig = new_figure(view.figsize)
+    fd = full.first_divergence
+    view.draw(fig, full, ViewState(token=fd["token"], site=fd["site"]))
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "threshold" in labels and "first divergence" in labels and any("offload boundary" in t for t in labels)
+    fig = new_figure(view.figsize)
+    y = view.draw(fig, full, ViewState(token=0, site="logits", metric="cosine"))
+    assert len(y) == full.tokens.shape[1]                      # one value per token, drawn over the tokens
+    assert "cosine" in fig.axes[0].get_ylabel()
+
+
+def test_state_inspector_shows_reference_device_and_difference(runs):
+    _, full, _ = runs
+    view = registry.BY_NAME["states"]
+    fd = full.first_divergence
+    captions = view.report_states(full)
+    assert captions, "the report shows the states at the first divergence"
+    for _caption, st in captions:
+        fig = new_figure(view.figsize)
+        diff = view.draw(fig, full, st)
+        assert diff.size                                         # drawn, not "not captured"
+        titles = [a.get_title() for a in fig.axes]
+        assert "reference" in titles and "device" in titles
+        assert any(t.startswith("device - reference") for t in titles)
+    # a token that is not at a ubatch end: the conv state is rebuilt from the captured inputs, not "nearest"
+    fig = new_figure(view.figsize)
+    view.draw(fig, full, ViewState(token=1, layer=fd["layer"]))
+    assert any("from the captured x inputs" in a.get_ylabel() for a in fig.axes)
+
+
+def test_sweep_matrix_tells_clean_diverged_and_not_run_apart(runs):
+    model, full, _ = runs
+    sweep = md.run_sweep(model, PROMPT, full.settings.replace(capture="metrics"), offloads=[0, 2],
+                         ubatches=[1, 4], progress=False)
+    sweep["cells"] = [c for c in sweep["cells"] if (c["offload"], c["ubatch"]) != (2, 1)]   # one not run
+    fig = new_figure(registry.BY_NAME["sweep"].figsize)
+    registry.BY_NAME["sweep"].draw(fig, sweep, None, (2, 4))
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "clean" in texts and "not run" in texts
+    assert any(t.startswith("L2 t") and "KLD" in t for t in texts)
+    assert "KLD" in fig.axes[-1].get_ylabel()                  # the colour bar is the KLD
+    # one panel per number of sequences, one colour bar
+    multi = dict(sweep, n_seqs=[1, 2], cells=sweep["cells"] + [dict(c, n_seqs=2) for c in sweep["cells"]])
+    fig = new_figure(registry.BY_NAME["sweep"].figsize)
+    registry.BY_NAME["sweep"].draw(fig, multi, None, (2, 4))
+    titles = [a.get_title() for a in fig.axes]
+    assert "1 sequence(s)" in titles and "2 sequence(s)" in titles
+    assert sum("KLD" in a.get_ylabel() for a in fig.axes) == 1

@@ -37,13 +37,13 @@ from ..settings import RunSettings
 from ..sweep import run_sweep, sweep_cell
 from ..trace import CompareResult
 from ..views import registry
-from ..views.base import FIELDS, ViewState, fig_png, new_figure
+from ..views.base import DPI, FIELDS, ViewState, fig_png, new_figure
 from ..views.summary import verdict
-from .controls import Controls, error_html, status_html, timing_html
-from .state import DashState, RunCache, dashboard_settings
+from .controls import Controls, error_html, in_kernel, snapshot_html, status_html, timing_html
+from .state import DashState, Prompt, RunCache, dashboard_settings, encode_prompts
 
-Prompt = Union[str, Sequence[int], Sequence[str]]
-PNG_CACHE_SIZE = 256                         # rendered views kept (about 20-30 kB each)
+PNG_CACHE_SIZE = 256                         # rendered views kept (about 50-150 kB each)
+RUN_DELAY_S = 0.6       # in a notebook, a run starts this long after the offload / ubatch slider last moved
 
 
 def _guarded(fn):
@@ -74,10 +74,10 @@ class Dashboard:
                  reference: str = "float32", rule: str = "llama2024", sweep_offloads: Optional[Sequence[int]] = None,
                  sweep_ubatches: Optional[Sequence[int]] = None,
                  result: Union[CompareResult, Sequence[CompareResult], None] = None, sweep: Optional[dict] = None,
-                 autorun: bool = True, max_cached_runs: int = 32, dpi: int = 72):
+                 autorun: bool = True, max_cached_runs: int = 32, dpi: int = DPI):
         self.model = model
         self.n_layer = model.config.n_layer
-        self.prompts, self.prompt_ids = self._encode_prompts(prompt)
+        self.prompts, self.prompt_ids = encode_prompts(model, prompt)
         self.cache = RunCache(max_cached_runs)
         self._failed: dict = {}          # (prompt ids, settings) -> the exception it raised (shown again, not re-run)
         self.state: Optional[DashState] = None
@@ -110,6 +110,14 @@ class Dashboard:
         for w in self.controls.value_widgets().values():
             w.observe(self._on_widget, names="value")
         self.w_first.on_click(lambda _b: self.goto_first_divergence())
+        self.w_tok_prev.on_click(lambda _b: self.step("token", -1))
+        self.w_tok_next.on_click(lambda _b: self.step("token", +1))
+        self.w_off_minus.on_click(lambda _b: self.step("offload", -1))
+        self.w_off_plus.on_click(lambda _b: self.step("offload", +1))
+        self.w_ub_minus.on_click(lambda _b: self.step("ubatch", -1))
+        self.w_ub_plus.on_click(lambda _b: self.step("ubatch", +1))
+        self._pending = None            # a run scheduled by a slider move (RUN_DELAY_S)
+        self._snapshot = None           # the static picture under the widgets (a DisplayHandle), once displayed
         self.w_sweep_btn.on_click(lambda _b: self.run_sweep_matrix())
         self.w_jump.observe(self._on_jump, names="value")
         for res in ([result] if isinstance(result, CompareResult) else list(result or [])):
@@ -120,20 +128,6 @@ class Dashboard:
             self.refresh()
 
     # -- setup ---------------------------------------------------------------------------------------
-    def _encode_prompts(self, prompt: Prompt):
-        if isinstance(prompt, str):
-            texts = [prompt]
-        elif len(prompt) and all(isinstance(p, str) for p in prompt):
-            texts = list(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            return [self.model.decode(ids)[:60]], [ids]
-        ids = [self.model.encode(t) for t in texts]
-        for t, i in zip(texts, ids):
-            if not i:
-                raise ValueError(f"prompt {t!r} encodes to no tokens")
-        return texts, ids
-
     def _seed(self, res: CompareResult):
         """Put a result computed outside the dashboard into the cache (it must be for one of our prompts)."""
         prompt = next((i for i, ids in enumerate(self.prompt_ids)
@@ -193,6 +187,14 @@ class Dashboard:
         self._run_sweep(offloads, ubatches)
         return self.sweep
 
+    def step(self, name: str, delta: int):
+        """What the step buttons do: move a slider (token, offload, ubatch, layer) by `delta`, within its range."""
+        w = self.controls.value_widgets()[name]
+        value = min(max(w.value + delta, w.min), w.max)
+        if value != w.value:
+            self.set(**{name: value})
+        return self
+
     def jump_to(self, offload: int, ubatch: int):
         """What a click on a sweep cell does: show that configuration (from the cache when it was seen)."""
         return self.set(offload=int(offload), ubatch=int(ubatch))
@@ -207,8 +209,14 @@ class Dashboard:
         return html.unescape(re.sub(r"<[^>]+>", " ", self.w_error.value)).strip()
 
     def _ipython_display_(self):
-        from IPython.display import display  # noqa: PLC0415
+        """The widgets, and under them a static picture of the views (hidden while the widgets live; what a saved
+        notebook shows without a kernel), kept up to date as the views change."""
+        from IPython.display import HTML, display  # noqa: PLC0415
         display(self.widget)
+        self._snapshot = display(HTML(self._snapshot_html()), display_id=True)
+
+    def _snapshot_html(self) -> str:
+        return snapshot_html(self.images, self.controls.widths, self._status_html())
 
     # -- internals: state ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -232,8 +240,24 @@ class Dashboard:
 
     # -- internals: callbacks --------------------------------------------------------------------------
     def _on_widget(self, change):
-        if not self._holding:
+        if self._holding:
+            return
+        if change["owner"] in (self.w_offload, self.w_ubatch) and in_kernel():
+            self._schedule_update()       # arrow keys held on a slider: one run, when they stop
+        else:
             self._update()
+
+    def _schedule_update(self):
+        import asyncio  # noqa: PLC0415
+        if self._pending is not None:
+            self._pending.cancel()
+        self.w_timing.value = (f"<span style='font-size:11px;color:#a60'>offload {self.w_offload.value}, ubatch "
+                               f"{self.w_ubatch.value}: runs when the slider rests</span>")
+        self._pending = asyncio.get_event_loop().call_later(RUN_DELAY_S, self._run_pending)
+
+    def _run_pending(self):
+        self._pending = None
+        self._update()
 
     @_guarded
     def _update(self, force: bool = False):
@@ -410,6 +434,9 @@ class Dashboard:
             elif view.kind == "sweep":
                 self._redraw_sweep(view, (st.run.offload, st.run.ubatch))
         self.w_status.value = self._status_html()
+        if self._snapshot is not None:
+            from IPython.display import HTML  # noqa: PLC0415
+            self._snapshot.update(HTML(self._snapshot_html()))
 
     def _redraw_sweep(self, view, current: tuple):
         fig = self._figs[view.name]

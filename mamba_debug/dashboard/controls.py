@@ -3,7 +3,8 @@
 Run controls (prompt, offload, ubatch, kernels) make a new `RunSettings`; view controls make a new `ViewState`, one
 widget per field (`FIELD_WIDGETS`). A view field read by one view only sits above that view (the state inspector's
 layer); the others share the view row. Each view of the registry gets an output area in screen order: figure views
-an `ipywidgets.Output` (CSS class `md-<name>`), HTML views an `HTML` widget; two "half" views share a row.
+an `ipywidgets.Image` of fixed size (CSS class `md-<name>`), HTML views an `HTML` widget; two "half" views share a
+row.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import html
 from ..arch import all_sites
 from ..metrics import METRICS
 from ..plugins import list_kernels
-from ..views.base import FIELDS
+from ..views.base import FIELDS, SCREEN_DPI, screen_width
 from ..views.registry import VIEWS
 
 try:  # optional: ipywidgets is a notebook extra (requirements-lab.txt)
@@ -22,6 +23,34 @@ except ImportError:  # pragma: no cover - reported when a Dashboard is built
 
 STYLE = {"description_width": "70px"}
 VIEW_EXTRAS = {"generations": "<b>generations</b>"}     # a heading above a view's area
+HEADER_HEIGHT = "66px"     # the header never changes height (a run in progress must not move the page)
+# While the live widgets render, the static snapshot printed under them (for a notebook opened without a kernel or
+# on a code-hosting site) is hidden; without widgets this style is absent and the snapshot shows.
+HIDE_SNAPSHOT = "<style>.md-static-snapshot{display:none !important}</style>"
+TIPS = {
+    "prompt": "Which prompt to run",
+    "offload": "Offload (like llama.cpp -ngl): the last N blocks run on the device (N > n_layer: the head too). "
+               "Arrow keys move it; the run starts when you stop (about half a second later).",
+    "ubatch": "Micro-batch (like llama.cpp -ub): prompt tokens processed together. A new value runs once you "
+              "stop moving the slider.",
+    "kernels": "The device side's kernels: a plug-in from kernels/ (bug_* are the bug gallery)",
+    "token": "The token the curve and the state inspector look at (no new run: a redraw)",
+    "play": "Step through the tokens one by one",
+    "site": "The site (tensor inside a block) the curve and heatmap show",
+    "metric": "The error metric drawn (thresholds exist for rel_l2 only)",
+    "seq": "Which sequence (with several sequences per run)",
+    "layer": "The layer whose conv and SSM states the inspector shows",
+    "first": "Point token, layer, sequence and site at the first divergence",
+    "tok_prev": "Previous token",
+    "tok_next": "Next token",
+    "off_minus": "One block fewer on the device (offload - 1); runs",
+    "off_plus": "One block more on the device (offload + 1); runs",
+    "ub_minus": "Smaller micro-batch (ubatch - 1); runs",
+    "ub_plus": "Larger micro-batch (ubatch + 1); runs",
+    "sweep_btn": "Run every offload x ubatch configuration of the grid (metrics only) to fill the matrix",
+    "jump": "Show one configuration of the matrix (from the cache when it ran before)",
+    "progress": "Progress of the run: ubatches done",
+}
 
 
 def in_kernel() -> bool:
@@ -58,6 +87,17 @@ def error_html(where: str, exc: BaseException, tb: str) -> str:
             f"<b style='color:#c00'>error in {html.escape(where)}: {html.escape(type(exc).__name__)}</b>: "
             f"{html.escape(str(exc))}<details><summary>traceback</summary><pre style='font-size:10px'>"
             f"{html.escape(tb)}</pre></details></div>")
+
+
+def snapshot_html(images: dict, widths: dict, status: str) -> str:
+    """The dashboard as static HTML (its header and every view's PNG, in screen order): what a saved notebook shows
+    where the widgets were when it is opened without a kernel. Hidden by HIDE_SNAPSHOT while the widgets live."""
+    import base64  # noqa: PLC0415
+    imgs = "".join(f"<img alt='{html.escape(name)}' width='{widths.get(name, 500)}' style='margin:2px' "
+                   f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+                   for name, png in ((v.name, images.get(v.name)) for v in VIEWS) if png)
+    return (f"<div class='md-static-snapshot'><div style='font-size:11px;color:#666'>mamba-debug dashboard: a static "
+            f"picture of the last state (run the notebook for the live widgets)</div>{status}<div>{imgs}</div></div>")
 
 
 def has_ipympl() -> bool:
@@ -121,16 +161,32 @@ class Controls:
                                  layout=lay(width="300px"))
         self.w_progress = W.IntProgress(value=0, min=0, max=1, description="", bar_style="info",
                                         layout=lay(width="240px", visibility="hidden"))
-        self.w_status = W.HTML()
-        self.w_timing = W.HTML()
+        step = dict(layout=lay(width="34px", padding="0"))
+        self.w_tok_prev = W.Button(icon="step-backward", **step)
+        self.w_tok_next = W.Button(icon="step-forward", **step)
+        self.w_off_minus, self.w_off_plus = W.Button(icon="minus", **step), W.Button(icon="plus", **step)
+        self.w_ub_minus, self.w_ub_plus = W.Button(icon="minus", **step), W.Button(icon="plus", **step)
+        for name, tip in TIPS.items():
+            w = getattr(self, f"w_{name}", None)
+            if w is not None:
+                w.tooltip = tip
+        self.w_status = W.HTML(layout=lay(height=HEADER_HEIGHT, overflow="hidden", width="60%"))
+        self.w_timing = W.HTML(layout=lay(height="20px", overflow="hidden", width="360px"))
+        self.widths = {v.name: screen_width(v.figsize) for v in VIEWS}
         self.w_error = W.HTML(layout=lay(display="none"))
-        self.out = {v.name: W.Output() for v in VIEWS if v.kind in ("figure", "sweep")}
+        # one image widget per figure view, its size fixed: a redraw never moves what is below it
+        self.out = {v.name: W.Image(format="png", layout=lay(width=f"{screen_width(v.figsize)}px",
+                                                             height=f"{int(v.figsize[1] * SCREEN_DPI)}px"))
+                    for v in VIEWS if v.kind in ("figure", "sweep")}
         self.html = {v.name: W.HTML() for v in VIEWS if v.kind == "html"}
         self.w_text = self.html.get("generations")
         # CSS classes: handles for the browser test and for anyone styling the dashboard
         for w, cls in [(self.w_offload, "md-offload"), (self.w_ubatch, "md-ubatch"), (self.w_token, "md-token"),
                        (self.w_kernels, "md-kernels"), (self.w_error, "md-error"), (self.w_status, "md-status"),
-                       (self.w_progress, "md-progress")]:
+                       (self.w_progress, "md-progress"), (self.w_tok_prev, "md-tok-prev"),
+                       (self.w_tok_next, "md-tok-next"), (self.w_first, "md-first"), (self.w_layer, "md-layer"),
+                       (self.w_off_minus, "md-off-minus"), (self.w_off_plus, "md-off-plus"),
+                       (self.w_ub_minus, "md-ub-minus"), (self.w_ub_plus, "md-ub-plus")]:
             w.add_class(cls)
         for name, o in {**self.out, **self.html}.items():
             o.add_class(f"md-{name}")
@@ -139,14 +195,9 @@ class Controls:
         self.widget.add_class("md-dashboard")
 
     def show_png(self, name: str, png: bytes):
-        """Put a rendered view into its output area (only inside a kernel: elsewhere nothing displays)."""
-        if not in_kernel():
-            return
-        from IPython.display import Image, display  # noqa: PLC0415
-        out = self.out[name]
-        with out:
-            out.clear_output(wait=True)
-            display(Image(data=png, format="png"))
+        """Put a rendered view into its image widget (a widget value: it reaches the page from any callback,
+        timers included, which a display() into an Output area does not)."""
+        self.out[name].value = png
 
     def run_widgets(self) -> dict:
         return {"prompt": self.w_prompt, "offload": self.w_offload, "ubatch": self.w_ubatch, "kernels": self.w_kernels}
@@ -156,7 +207,9 @@ class Controls:
         return {**self.run_widgets(), **self.field_widgets}
 
     def _field_box(self, field):
-        return W.HBox([self.w_play, self.w_token]) if field == "token" else self.field_widgets[field]
+        if field == "token":        # the slider and its step buttons side by side
+            return W.HBox([self.w_play, self.w_token, self.w_tok_prev, self.w_tok_next, self.w_first])
+        return self.field_widgets[field]
 
     def _view_box(self, view, own_fields):
         lay = W.Layout
@@ -177,10 +230,12 @@ class Controls:
         readers = {f: [v for v in VIEWS if f in v.depends] for f in FIELDS}
         own = {v.name: [f for f in FIELDS if [r.name for r in readers[f]] == [v.name]] for v in VIEWS}
         shared = [f for f in FIELDS if len(readers[f]) != 1]
-        header = W.HBox([self.w_status, self.w_progress, self.w_timing],
-                        layout=W.Layout(align_items="center", justify_content="space-between"))
-        run_row = W.HBox(list(self.run_widgets().values()))
-        view_row = W.HBox([self._field_box(f) for f in shared] + [self.w_first])
+        header = W.HBox([self.w_status, W.VBox([self.w_progress, self.w_timing])],
+                        layout=W.Layout(align_items="center", justify_content="space-between",
+                                        height=HEADER_HEIGHT, overflow="hidden"))
+        run_row = W.HBox([self.w_prompt, self.w_offload, self.w_off_minus, self.w_off_plus, self.w_ubatch,
+                          self.w_ub_minus, self.w_ub_plus, self.w_kernels], layout=W.Layout(flex_flow="row wrap"))
+        view_row = W.HBox([self._field_box(f) for f in shared], layout=W.Layout(flex_flow="row wrap"))
         rows, half = [], []
         for view in VIEWS:
             box = self._view_box(view, own[view.name])
@@ -196,4 +251,5 @@ class Controls:
             rows.append(box)
         if half:
             rows.append(W.HBox(half))
-        return W.VBox([header, self.w_error, run_row, view_row, *rows])
+        return W.VBox([W.HTML(HIDE_SNAPSHOT, layout=W.Layout(display="none")), header, self.w_error, run_row,
+                       view_row, *rows])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from ..compare import run_compare
 from ..settings import RunSettings
@@ -17,6 +17,23 @@ from ..views.base import ViewState
 # What every dashboard run captures. A result computed elsewhere with more (local errors, repeats, another capture
 # policy) still serves its configuration: `dashboard_settings` maps its settings onto the dashboard's key.
 DASHBOARD_RUN = dict(capture="all", capture_layers=None, capture_sites=None, local=False, repeat=1)
+Prompt = Union[str, Sequence[int], Sequence[str]]
+
+
+def encode_prompts(model, prompt: Prompt) -> tuple:
+    """(labels, token ids per prompt) of text, token ids, or a list of texts (a prompt dropdown)."""
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif len(prompt) and all(isinstance(p, str) for p in prompt):
+        texts = list(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+        return [model.decode(ids)[:60]], [ids]
+    ids = [model.encode(t) for t in texts]
+    for t, i in zip(texts, ids):
+        if not i:
+            raise ValueError(f"prompt {t!r} encodes to no tokens")
+    return texts, ids
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ the dashboard's `view_data`). It knows nothing about widgets; the dashboard and 
 
 "Not observed": a site the device side did not report has NaN errors (`not res.is_observed(key)`). Views draw it
 as hatched grey with a legend entry "not observed", never as 0 and never as a gap that reads as "fine".
+
+Colour means one thing everywhere: error / threshold on a diverging scale centred on 1 (blue: below the site's
+threshold, white: at it, red: above it = a bug). Four values get their own legended looks (`SPECIAL_LOOKS`): exact
+zero (device and reference identical: green), not observed (hatched grey), NaN/Inf on the device (black) and not run
+(light grey with dots).
 """
 from __future__ import annotations
 
@@ -22,6 +27,30 @@ DEVICE_SHADE = dict(color="tab:orange", alpha=0.12)
 NOT_OBSERVED = dict(facecolor="0.85", edgecolor="0.45", hatch="///", lw=0.0)   # the "not observed" look
 NOT_OBSERVED_LABEL = "not observed by the device side"
 MARGINS = dict(left=0.12, right=0.97, bottom=0.15, top=0.88, wspace=0.35)   # fixed: tight_layout costs ~0.2 s
+SCREEN_DPI = 80            # CSS px per figure inch on screen (the <img> width), whatever the PNG's pixel density
+DPI = 2 * SCREEN_DPI       # the dashboard's PNGs: 2 px per CSS px, crisp on any modern display
+REPORT_DPI = 160           # the report's PNGs: a 6.4-inch figure is 1000 px wide
+
+
+def screen_width(figsize) -> int:
+    """The width in CSS px a figure of `figsize` inches is shown at."""
+    return int(round(figsize[0] * SCREEN_DPI))
+
+# error / threshold: log10 of the ratio on a diverging scale centred on 0 (ratio 1)
+RATIO_CMAP = "RdBu_r"
+RATIO_DECADES = 4          # the colour scale spans 1e-4 .. 1e4 x the threshold (clipped beyond)
+RATIO_LABEL = "error / threshold  (above 1 = bug)"
+EXACT_ZERO = "#b8e186"     # pale green: device and reference bit-identical
+NAN_INF = "#000000"        # black: NaN or Inf on the device side
+NOT_RUN = "#f2f2f2"        # light grey (dotted): this token / layer / configuration was not run
+FIRST_DIV = "#000000"      # the first-divergence marker (a black ring)
+BOUNDARY = "#7b3294"       # the offload boundary (host | device)
+SPECIAL_LOOKS = {
+    "exact zero (identical)": dict(facecolor=EXACT_ZERO, edgecolor="none"),
+    NOT_OBSERVED_LABEL: NOT_OBSERVED,
+    "NaN / Inf on the device": dict(facecolor=NAN_INF, edgecolor="none"),
+    "not run": dict(facecolor=NOT_RUN, edgecolor="0.6", hatch="..", lw=0.8),
+}
 
 
 @dataclass(frozen=True)
@@ -76,11 +105,11 @@ class View:
 
 
 # -- drawing helpers -----------------------------------------------------------------------------------
-def fresh_axes(fig, *grid):
+def fresh_axes(fig, *grid, **margins):
     """Clear the whole figure (colorbars are axes of their own, which ax.clear() would leave behind), set the
-    fixed margins and add axes."""
+    fixed margins (updated by `margins`) and add axes."""
     fig.clf()
-    fig.subplots_adjust(**MARGINS)
+    fig.subplots_adjust(**{**MARGINS, **margins})
     if not grid:
         return fig.add_subplot()
     return fig.subplots(*grid)
@@ -92,7 +121,7 @@ def new_figure(figsize):
     return Figure(figsize=figsize)
 
 
-def fig_png(fig, dpi: int = 72, tight: bool = False) -> bytes:
+def fig_png(fig, dpi: int = DPI, tight: bool = False) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, **({"bbox_inches": "tight"} if tight else {}))
     return buf.getvalue()
@@ -157,3 +186,62 @@ def hatch_columns(ax, xs):
 
 def message(ax, text: str):
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+
+
+# -- colour that means something -------------------------------------------------------------------------
+def ratio_norm():
+    """The norm of log10(error / threshold): centred on 0 (= at the threshold)."""
+    from matplotlib.colors import Normalize  # noqa: PLC0415
+    return Normalize(vmin=-RATIO_DECADES, vmax=RATIO_DECADES)
+
+
+def special_handles(which=None) -> list:
+    """Legend handles for the special looks (all, or the names in `which`)."""
+    from matplotlib.patches import Patch  # noqa: PLC0415
+    return [Patch(**look, label=name) for name, look in SPECIAL_LOOKS.items() if which is None or name in which]
+
+
+def ratio_colorbar(ax, im):
+    """The error / threshold colour bar: ticks as ratios, 1 marked as the threshold."""
+    cb = add_colorbar(ax, im)
+    ticks = list(range(-RATIO_DECADES, RATIO_DECADES + 1, 2))
+    names = {-4: "1e-4", -3: "0.001", -2: "0.01", -1: "0.1", 0: "1 (threshold)", 1: "10", 2: "100", 3: "1000", 4: "1e4"}
+    cb.set_ticks(ticks, labels=[names.get(t, f"1e{t}") for t in ticks])
+    cb.ax.axhline(0, color="k", lw=1.5)
+    cb.ax.tick_params(labelsize=8)
+    cb.set_label(RATIO_LABEL, fontsize=8)
+    return cb
+
+
+def special_overlay(ax, err: np.ndarray, seen_rows: np.ndarray):
+    """Paint the special values of an error image (rows x tokens) on top of its colour image: exact zero green,
+    NaN/Inf black, rows not observed hatched, NaN in an observed row (not run) light grey dotted. Returns the names
+    of the looks it used."""
+    from matplotlib.colors import to_rgba  # noqa: PLC0415
+    rgba = np.zeros(err.shape + (4,))
+    used = set()
+    seen = np.broadcast_to(np.asarray(seen_rows, bool)[:, None], err.shape)
+    for name, mask, colour in [("exact zero (identical)", seen & (err == 0), EXACT_ZERO),
+                               ("NaN / Inf on the device", seen & np.isinf(err), NAN_INF),
+                               ("not run", seen & np.isnan(err), NOT_RUN)]:
+        if mask.any():
+            rgba[mask] = to_rgba(colour)
+            used.add(name)
+    ax.imshow(rgba, aspect="auto", origin="lower", interpolation="nearest", zorder=2)
+    if not np.all(seen_rows):
+        hatch_rows(ax, np.nonzero(~np.asarray(seen_rows, bool))[0], err.shape[1])
+        used.add(NOT_OBSERVED_LABEL)
+    return used
+
+
+def mark_ubatches(ax, res: CompareResult, ymin=0.0, ymax=1.0, colour="0.35"):
+    """Thin vertical lines at the ubatch boundaries of a token axis, the prompt | generated line thicker."""
+    for t in res.token_info:
+        if t.index_in_ubatch == 0 and 0 < t.token < res.n_prompt:
+            ax.axvline(t.token - 0.5, ymin=ymin, ymax=ymax, color=colour, lw=0.8, ls=":", zorder=4)
+    ax.axvline(res.n_prompt - 0.5, ymin=ymin, ymax=ymax, color="tab:blue", lw=1.4, zorder=4)
+
+
+def ubatch_ticks(res: CompareResult) -> list:
+    """Token positions where a ubatch starts (inside the prompt)."""
+    return [t.token for t in res.token_info if t.index_in_ubatch == 0 and t.token < res.n_prompt]

@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 from ..trace import CompareResult
-from .base import fig_png, new_figure
+from .base import REPORT_DPI, SCREEN_DPI, fig_png, new_figure
 from .registry import VIEWS
 from .summary import summary, to_json
 
 STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:auto} pre{background:#f4f4f4;padding:8px;"
-         "white-space:pre-wrap} td{border-top:1px solid #ccc;padding:4px;vertical-align:top}")
+         "white-space:pre-wrap} td{border-top:1px solid #ccc;padding:4px;vertical-align:top} "
+         "img{max-width:100%;height:auto}")
 
 
 def figures(res: CompareResult) -> list[tuple[str, str]]:
@@ -25,7 +26,13 @@ def figures(res: CompareResult) -> list[tuple[str, str]]:
 def _png(view, res: CompareResult, state) -> str:
     fig = new_figure(view.figsize)
     view.draw(fig, res, state)
-    return base64.b64encode(fig_png(fig, dpi=90, tight=True)).decode()
+    return base64.b64encode(fig_png(fig, dpi=REPORT_DPI, tight=True)).decode()
+
+
+def _img(view, res: CompareResult, state) -> str:
+    """An <img> shown at the figure's screen width, its pixels at REPORT_DPI (2x: crisp on HiDPI screens)."""
+    width = min(int(view.figsize[0] * SCREEN_DPI), 1000)
+    return f"<img width='{width}' src='data:image/png;base64,{_png(view, res, state)}'>"
 
 
 def sections(res: CompareResult) -> list[str]:
@@ -39,7 +46,7 @@ def sections(res: CompareResult) -> list[str]:
                 out.append(f"<h2>{html.escape(caption)}</h2>{view.html(res, state)}")
             continue
         if view.kind == "figure":
-            out += [f"<h2>{html.escape(caption)}</h2><img src='data:image/png;base64,{_png(view, res, state)}'>"
+            out += [f"<h2>{html.escape(caption)}</h2>{_img(view, res, state)}"
                     for caption, state in view.report_states(res)]
     return out
 

@@ -1,44 +1,125 @@
-"""The state inspector: device minus reference of a layer's recurrent states (SSM and conv state) at one token."""
-from __future__ import annotations
+"""The state inspector: at one (layer, token), each recurrent state of the reference, of the device, and their
+difference (device - reference).
 
-import textwrap
+Rows: the SSM state h [channel d x state n] and the conv state [channel d x window row]. Columns: reference, device
+(one colour scale for both) and the difference (its own scale, centred on 0). A difference that is exactly zero is
+painted in the "exact zero" look and said in words: the states agree, so whatever diverged at this layer came after
+the scan (the gate, say) and reaches the states of the next layer through its input.
+
+The SSM state is captured per token. The conv state is captured at ubatch ends only; at any other token it is the
+window of the last K-1 conv inputs x, read from the captured `xz` site of the same side (identical to the captured
+state where both exist); the title says which one is shown.
+"""
+from __future__ import annotations
 
 import numpy as np
 
 from ..arch import LAYER_TYPES
 from ..trace import CompareResult
-from .base import NOT_OBSERVED, View, ViewState, add_colorbar, fresh_axes, message
+from .base import EXACT_ZERO, NOT_OBSERVED, View, ViewState, add_colorbar, fresh_axes, message
 
-# Every state a layer type declares, the SSM state first (the left panel); each drawn channel x (state | window)
+# Every state a layer type declares, the SSM state first (the top row)
 STATE_NAMES = tuple(sorted({spec.name for lt in LAYER_TYPES.values() for spec in lt.states},
                            key=lambda n: (n != "ssm_state", n)))
-_AXES = {"ssm_state": ("state n", False), "conv_state": ("window row (oldest first)", True)}
+_AXES = {"ssm_state": "state n", "conv_state": "window row (oldest first)"}
+
+
+def _captured(res: CompareResult, side: str, layer: int, which: str, token: int, seq: int):
+    """(array [channel, ...], token it belongs to, how) of one side's state at or before `token`, or None."""
+    key = (layer, which)
+    if (side,) + key not in res.trace:
+        return None
+    toks = res.trace_tokens[key]
+    if token in toks:
+        j = toks.index(token)
+        return res.trace[(side,) + key][seq, j].double().numpy(), token, "captured"
+    if which == "conv_state":               # rebuild the window from the captured conv inputs x (the xz site)
+        xz_key = (side, layer, "xz")
+        xtoks = res.trace_tokens.get((layer, "xz"), [])
+        state = res.trace[(side,) + key]
+        k1, d = state.shape[-2], state.shape[-1]
+        want = [t for t in range(token - k1 + 1, token + 1) if t >= 0]
+        if xz_key in res.trace and all(t in xtoks for t in want):
+            x = res.trace[xz_key][seq].double()[..., :d]
+            rows = [x[xtoks.index(t)] if t >= 0 else np.zeros(d) for t in range(token - k1 + 1, token + 1)]
+            return np.stack([np.asarray(r) for r in rows]), token, "from the captured x inputs"
+    before = [j for j, t in enumerate(toks) if t <= token]
+    j = before[-1] if before else int(np.argmin([abs(t - token) for t in toks]))
+    return res.trace[(side,) + key][seq, j].double().numpy(), toks[j], "nearest capture (ubatch end)"
+
+
+def state_arrays(res: CompareResult, layer: int, token: int, which="ssm_state", seq=0):
+    """(reference, device, token shown, how) of one state, each [channel d, ...]; None when not captured."""
+    ref = _captured(res, "ref", layer, which, token, seq)
+    dev = _captured(res, "dev", layer, which, token, seq)
+    if ref is None or dev is None:
+        return None
+    a, b = ref[0], dev[0]
+    if which == "conv_state":               # stored [window, channel]: show channel down, window across
+        a, b = a.T, b.T
+    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    return a, b, ref[1], ref[2]
+
+
+def _missing(res: CompareResult, ax, layer: int, which: str):
+    key = (layer, which)
+    if key in res.errors and not res.is_observed(key):
+        ax.set_facecolor(NOT_OBSERVED["facecolor"])
+        message(ax, f"{which} of layer {layer}:\nnot observed by the device side")
+    else:
+        message(ax, f"{which} of layer {layer} was not captured\n(capture policy {res.settings.capture!r})")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state", seq=0):
+    """Reference, device and difference of one state into three axes. Returns the difference (or None)."""
+    got = state_arrays(res, layer, token, which, seq)
+    for ax in axes:
+        ax.clear()
+    if got is None:
+        for ax in axes:
+            _missing(res, ax, layer, which)
+        return None
+    ref, dev, shown, how = got
+    diff = dev - ref
+    lim = max(float(np.abs(ref).max()), float(np.abs(dev).max()), 1e-30)
+    for ax, arr, name in [(axes[0], ref, "reference"), (axes[1], dev, "device")]:
+        im = ax.imshow(arr, aspect="auto", cmap="PuOr_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        add_colorbar(ax, im).ax.tick_params(labelsize=7)
+        ax.set_title(f"{name}", fontsize=9)
+    dmax = float(np.abs(diff).max())
+    rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
+    ax = axes[2]
+    if dmax == 0:
+        ax.imshow(np.zeros(diff.shape + (3,)) + np.array([0.72, 0.88, 0.53]), aspect="auto", interpolation="nearest")
+        ax.text(0.5, 0.5, "identical\n(difference exactly 0)", ha="center", va="center", transform=ax.transAxes,
+                fontsize=10, bbox=dict(fc="white", ec=EXACT_ZERO, alpha=0.9))
+        ax.set_title("device - reference", fontsize=9)
+    else:
+        im = ax.imshow(diff, aspect="auto", cmap="RdBu_r", vmin=-dmax, vmax=dmax, interpolation="nearest")
+        # each tick its own number (no "1e-6" offset above the bar, where it runs into the title)
+        add_colorbar(ax, im, format="%.1g" if dmax >= 1e-3 else "%.0e").ax.tick_params(labelsize=7)
+        ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
+                     color="tab:red" if rel > 1e-4 else "black")
+    for a in axes:
+        a.set_xlabel(_AXES.get(which, "state"), fontsize=8)
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a.tick_params(labelsize=7)
+    where = f"token {shown}" + ("" if how == "captured" else f", {how}")
+    axes[0].set_ylabel(f"{which}\n({where})\nchannel d", fontsize=8)
+    return diff
 
 
 def state_diff(res: CompareResult, ax, layer: int, token: int, which="ssm_state", seq=0):
-    """Device minus reference state at one layer and token: channel x state (ssm) or time x channel (conv)."""
-    ax.clear()
-    key = (layer, which)
-    if ("dev",) + key not in res.trace:
-        if key in res.errors and not res.is_observed(key):
-            ax.set_facecolor(NOT_OBSERVED["facecolor"])
-            message(ax, f"{which} of layer {layer}: not observed by the device side")
-        else:
-            message(ax, f"{which} of layer {layer} was not captured\n(capture policy {res.settings.capture!r})")
-        return ax
-    toks = res.trace_tokens[key]
-    idx = min(range(len(toks)), key=lambda j: (toks[j] > token, abs(toks[j] - token)))   # at or before `token`
-    diff = (res.trace[("dev",) + key][seq, idx].double() - res.trace[("ref",) + key][seq, idx].double()).numpy()
-    xlabel, transpose = _AXES.get(which, ("state", False))
-    diff = diff.reshape(diff.shape[0], -1) if diff.ndim != 2 else diff
-    lim = max(float(np.nanmax(np.abs(diff))) if diff.size else 0.0, 1e-12)
-    im = ax.imshow(diff.T if transpose else diff, aspect="auto", cmap="coolwarm", vmin=-lim, vmax=lim,
-                   interpolation="nearest")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("channel d")
-    where = "" if toks[idx] == token else f" (nearest capture: token {toks[idx]}, ubatch boundary)"
-    ax.set_title(f"{which} device - reference, layer {layer}, token {token}{where}", fontsize=9)
-    add_colorbar(ax, im)
+    """Only the difference panel (device - reference) of one state into one Axes (kept for notebooks)."""
+    fig = ax.figure
+    spare = [fig.add_axes([0, 0, 0.01, 0.01]) for _ in range(2)]
+    state_row(res, [*spare, ax], layer, token, which, seq)
+    for s in spare:
+        s.remove()
+    ax.set_title(f"{which} device - reference, layer {layer}, token {token}", fontsize=9)
     return ax
 
 
@@ -50,29 +131,46 @@ def layer_states(res: CompareResult, layer: int) -> tuple:
 
 class StatesView(View):
     name = "states"
-    title = "State difference at the first divergence"
+    title = "State inspector: reference, device and difference at the first divergence"
     depends = frozenset({"token", "seq", "layer"})
-    figsize = (9.0, 3.4)
+    figsize = (10.0, 5.0)
     width = "full"
 
     def draw(self, fig, res: CompareResult, v: ViewState) -> np.ndarray:
-        """Each state's difference (SSM left, conv right) at the chosen layer and token; returns the first image."""
+        """Each state (a row) of reference, device and difference at the chosen layer and token; returns the first
+        state's difference (empty when not captured)."""
         names = layer_states(res, v.layer)
-        axes = fresh_axes(fig, 1, len(names))
-        axes = list(np.atleast_1d(axes))
+        axes = np.atleast_2d(fresh_axes(fig, len(names), 3, left=0.1, right=0.96, top=0.86, bottom=0.1,
+                                        hspace=0.45, wspace=0.3))
         token = v.token if v.token is not None else res.tokens.shape[1] - 1
-        for ax, which in zip(axes, names):
-            state_diff(res, ax, v.layer, token, which, seq=v.seq)
-            ax.set_title(textwrap.fill(ax.get_title(), 60), fontsize=8)
-        first = axes[0]
-        return np.asarray(first.images[0].get_array(), dtype=float) if first.images else np.array([])
+        token = min(token, res.tokens.shape[1] - 1)
+        diffs = [state_row(res, list(row), v.layer, token, which, seq=v.seq) for row, which in zip(axes, names)]
+        where = "on the device" if res.placement.on_device(v.layer) else \
+            "on the host: ref32's run, identical by construction"
+        agree = [d is not None and not np.abs(d).max() > 0 for d in diffs]
+        note = ""
+        fd = res.first_divergence
+        if fd and fd["layer"] == v.layer and fd["token"] == token and all(agree):
+            note = (f"\nthe states agree at the first divergence: '{fd['site']}' goes wrong after the scan; "
+                    f"layer {v.layer + 1}'s states carry it on")
+        fig.suptitle(f"layer {v.layer} {where}; token {token}, seq {v.seq}{note}", fontsize=10)
+        first = diffs[0]
+        return np.array([]) if first is None else first
 
     def report_states(self, res: CompareResult) -> list:
-        """Only where something diverged inside a layer whose states were captured."""
+        """At the first divergence, and one layer on when the states there still agree (where the error lands)."""
         fd = res.first_divergence
         if not fd or fd["layer"] is None or ("dev", fd["layer"], STATE_NAMES[0]) not in res.trace:
             return []
-        return [(self.title, ViewState.at_first_divergence(res))]
+        st = ViewState.at_first_divergence(res)
+        out = [(self.title, st)]
+        got = state_arrays(res, fd["layer"], fd["token"], STATE_NAMES[0], fd["seq"])
+        nxt = fd["layer"] + 1
+        if got is not None and np.array_equal(got[0], got[1]) and nxt < res.n_layer and \
+                ("dev", nxt, STATE_NAMES[0]) in res.trace:
+            out.append((f"The same token one layer on (layer {nxt}): the states carry the error",
+                        ViewState(token=st.token, site=st.site, seq=st.seq, layer=nxt)))
+        return out
 
 
 VIEW = StatesView()
