@@ -62,10 +62,18 @@ def site_elements(cfg: ModelConfig) -> dict:
     return {**out, "final_norm": cfg.d_model, "logits": cfg.vocab_size}
 
 
+def model_ops(cfg: ModelConfig) -> tuple:
+    """Every op name a model of this config calls (its layer types' and the head's), in first-use order."""
+    out = {}
+    for lt in _distinct_types(cfg):
+        out.update(dict.fromkeys(lt.ops))
+    return tuple(dict.fromkeys([*out, "rms_norm", "linear"]))
+
+
 def layer_site_elements(cfg: ModelConfig) -> list:
     """Per layer: its site -> elements per token and sequence."""
     return [layer_type(cfg, i).site_elements(cfg) for i in range(cfg.n_layer)]
 
 
 __all__ = ["LAYER_TYPES", "MODEL_SITES", "LayerContext", "LayerType", "SiteKey", "StateSpec", "all_sites",
-           "layer_site_elements", "layer_sites", "layer_type", "param_shapes", "site_elements", "site_order"]
+           "layer_site_elements", "layer_sites", "layer_type", "model_ops", "param_shapes", "site_elements", "site_order"]
