@@ -7,19 +7,22 @@ The tokenizer is not retrained: the shipped ``data/tiny-mamba/tokenizer.json`` (
 so the three tiny models read the same token ids.
 
     --arch mamba2   Mamba2ForCausalLM: d_model 128, d_inner 256, 8 heads of 32, 2 groups, d_state 32, d_conv 4,
-                    chunk 64, 12 layers, tied embeddings
-    --arch granite  GraniteMoeHybridForCausalLM, dense (num_local_experts 0): d_model 128, 8 layers, Mamba-2
-                    mixers (8 heads of 32, 2 groups, d_state 32) except attention (4 query / 2 kv heads of 32, no
-                    positions) at layers 2 and 5, each followed by the shared SwiGLU feed-forward (256),
+                    chunk 64, 12 layers (--layers), tied embeddings
+    --arch granite  GraniteMoeHybridForCausalLM, dense (num_local_experts 0): d_model 128, 8 layers (--layers),
+                    Mamba-2 mixers (8 heads of 32, 2 groups, d_state 32) except attention (4 query / 2 kv heads of
+                    32, no positions) at every third layer from layer 2 (2 and 5 of 8), each followed by the shared SwiGLU feed-forward (256),
                     multipliers embedding 4, residual 0.5, attention 0.125, logits scaling 2
 
 transformers runs its pure-torch Mamba-2 path (keep mamba_ssm and causal_conv1d out of the environment). Same
 outputs as the Mamba-1 script: config.json, model.safetensors, tokenizer files, train_log.jsonl, summary.json.
 
-Reproduce (the shipped folders were made on one NVIDIA H200)::
+Reproduce (the shipped folders were made on a shared 2-core CPU, 22 minutes each, one thread; summary.json holds
+the exact arguments)::
 
-    python3 data/train_tiny_mamba2.py --arch mamba2
-    python3 data/train_tiny_mamba2.py --arch granite
+    python3 data/train_tiny_mamba2.py --arch mamba2 --device cpu --threads 1 --layers 8 --batch-size 16 \
+        --seq-len 128 --steps 700 --warmup 50 --max-minutes 22
+    python3 data/train_tiny_mamba2.py --arch granite --device cpu --threads 1 --batch-size 16 --seq-len 128 \
+        --steps 600 --warmup 50 --max-minutes 22
 """
 from __future__ import annotations
 
@@ -44,17 +47,17 @@ def _mamba1_script():
     return mod
 
 
-def make_config(arch: str, vocab: int, eos: int):
+def make_config(arch: str, vocab: int, eos: int, layers: int = 0):
     from transformers import GraniteMoeHybridConfig, Mamba2Config
     ids = dict(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     if arch == "mamba2":
         return Mamba2Config(vocab_size=vocab, hidden_size=128, expand=2, num_heads=8, head_dim=32, n_groups=2,
-                            state_size=32, conv_kernel=4, chunk_size=64, num_hidden_layers=12,
+                            state_size=32, conv_kernel=4, chunk_size=64, num_hidden_layers=layers or 12,
                             tie_word_embeddings=True, residual_in_fp32=True, **ids)
-    kinds = ["mamba"] * 8
-    kinds[2] = kinds[5] = "attention"
+    layers = layers or 8
+    kinds = ["attention" if i % 3 == 2 else "mamba" for i in range(layers)]
     return GraniteMoeHybridConfig(
-        vocab_size=vocab, hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         shared_intermediate_size=256, num_local_experts=0, layer_types=kinds, mamba_n_heads=8, mamba_n_groups=2,
         mamba_d_state=32, mamba_d_head=32, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
         embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=2.0,
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--max-minutes", type=float, default=0.0, help="stop early once training ran this long")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--layers", type=int, default=0, help="0 = 12 (mamba2) / 8 (granite)")
     args = ap.parse_args()
 
     import torch
@@ -85,6 +90,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     m1 = _mamba1_script()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         args.device = "cpu"
     random.seed(args.seed)
@@ -107,7 +114,7 @@ def main() -> None:
     val_ids = torch.tensor(m1.encode(tok, val_text), dtype=torch.long)
     print(f"[corpus] train {len(train_ids):,} tokens, val {len(val_ids):,} tokens", flush=True)
 
-    cfg = make_config(args.arch, tok.get_vocab_size(), eos)
+    cfg = make_config(args.arch, tok.get_vocab_size(), eos, args.layers)
     model = AutoModelForCausalLM.from_config(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[model] {args.arch}: {n_params:,} parameters on {device}", flush=True)
