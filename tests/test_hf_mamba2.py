@@ -77,3 +77,32 @@ def test_time_step_limit_spellings():
     for limit in ([0.0, float("inf")], [0.0, {"__float__": "Infinity"}], None):
         assert config_from_hf({**raw, "time_step_limit": limit})[1] == []
     assert "time_step_limit" in config_from_hf({**raw, "time_step_limit": [0.0, 0.1]})[1][0]
+
+
+@pytest.mark.parametrize("kind,seed", [("mamba2", 505), ("granite", 606), ("granite", 707)])
+def test_save_pretrained_folder_loads_without_tokenizer_and_saves_back(tmp_path, kind, seed):
+    import mamba_debug as md
+    hf_config = DRAWS[kind](seed)
+    m = build(hf_config, seed)
+    m.save_pretrained(tmp_path / "hf")
+    model = md.load_model(tmp_path / "hf")
+    assert model.tokenizer is None and any("token ids" in n for n in model.notes)
+    ids = torch.randint(0, model.config.vocab_size, (2, 15), generator=torch.Generator().manual_seed(seed))
+    assert _rel(model.logits(ids), hf_logits(m, ids)) < 1e-4
+    md.save_hf(model, tmp_path / "ours")
+    again = md.load_model(tmp_path / "ours")
+    assert again.config == model.config
+    torch.testing.assert_close(again.logits(ids), model.logits(ids), rtol=1e-6, atol=1e-6)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    import mamba_debug as md
+    m = build(draw_mamba2_config(9), 9)
+    m.save_pretrained(tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["backbone.layers.0.mixer.dt_bias"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"backbone\.layers\.0\.mixer\.dt_bias"):
+        md.load_model(tmp_path)

@@ -164,7 +164,8 @@ def params_from_hf(cfg: ModelConfig, tensors: dict, shapes: dict, where: str = "
                 out[canon] = torch.zeros(shapes[canon], dtype=torch.float64)
                 continue
             else:
-                raise CheckpointError(f"{where}: tensor {hf!r} is missing (the config implies it)")
+                raise CheckpointError(f"{where}: missing tensor {hf} (config.json implies it); the file is incomplete "
+                                      f"or config.json does not describe these weights")
         t = tensors[hf].to(torch.float64)
         if canon.endswith(".A"):
             t = -torch.exp(t)
@@ -176,8 +177,8 @@ def params_from_hf(cfg: ModelConfig, tensors: dict, shapes: dict, where: str = "
     return out
 
 
-def params_to_hf(cfg: ModelConfig, params: dict) -> dict:
-    """The inverse of `params_from_hf`: a transformers state dict (float32) for `save_pretrained`-style folders."""
+def params_to_hf(cfg: ModelConfig, params: dict, dtype: torch.dtype = torch.float32) -> dict:
+    """The inverse of `params_from_hf`: a transformers state dict for `save_pretrained`-style folders."""
     granite = cfg.d_ff > 0 or "attention" in cfg.layer_types
     names = _names(cfg, granite)
     out = {}
@@ -188,7 +189,7 @@ def params_to_hf(cfg: ModelConfig, params: dict) -> dict:
             t = torch.log(-t)
         elif canon.endswith("conv_w"):
             t = t[:, None, :]
-        out[names[canon]] = t.to(torch.float32).contiguous()
+        out[names[canon]] = t.to(dtype).contiguous()
     return out
 
 
