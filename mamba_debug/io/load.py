@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..model import MambaModel
-from .gguf import load_gguf
+from .gguf_mamba2 import load_gguf
 from .hf import load_hf_folder, load_hf_mamba2_folder, read_config
 from .hf_mamba2 import model_type
 

@@ -1,0 +1,175 @@
+"""llama.cpp GGUF files of architecture `mamba2` (Mamba2ForCausalLM): written and read; `export_gguf` and
+`load_gguf` here dispatch on the architecture (Mamba-1 goes to `io.gguf`).
+
+Conventions (llama.cpp `src/models/mamba2.cpp`, `conversion/mamba.py::Mamba2Model`; research/mamba2.md §2.3, §6.3):
+
+- metadata `mamba2.{context_length, embedding_length, block_count, ssm.conv_kernel, ssm.inner_size, ssm.state_size,
+  ssm.time_step_rank (= H), ssm.group_count, attention.layer_norm_rms_epsilon}`; no tokenizer: `tokenizer.ggml.model`
+  "none" and `mamba2.vocab_size`.
+- tensors `token_embd.weight`, `output_norm.weight`, `output.weight` (absent when tied), `blk.i.{attn_norm.weight,
+  ssm_in.weight, ssm_conv1d.weight [conv_dim, K], ssm_conv1d.bias, ssm_dt.bias [H], ssm_a (H, 1) = -exp(A_log),
+  ssm_d (H, 1), ssm_norm.weight (G, D/G), ssm_out.weight}` (numpy shapes; ggml ne is the reverse).
+
+Granite-4.0-H (`granitehybrid`) GGUFs are not written or read yet: such a model is refused with a clear error.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..arch import param_shapes
+from ..config import ModelConfig
+from ..errors import CheckpointError, MambaDebugError
+from ..model import MambaModel
+from . import gguf as gguf1
+from .gguf_vocab import add_vocab, read_tokenizer, tokenizer_vocab
+from .weights import check_params
+
+ARCH = "mamba2"
+LAYER = {"norm": "attn_norm.weight", "in_proj": "ssm_in.weight", "conv_w": "ssm_conv1d.weight",
+         "conv_b": "ssm_conv1d.bias", "dt_bias": "ssm_dt.bias", "A": "ssm_a", "D": "ssm_d",
+         "ssm_norm": "ssm_norm.weight", "out_proj": "ssm_out.weight"}
+
+
+def tensor_names(n_layer: int) -> dict:
+    names = {"embed": "token_embd.weight", "norm_f": "output_norm.weight", "lm_head": "output.weight"}
+    for i in range(n_layer):
+        names.update({f"layers.{i}.{k}": f"blk.{i}.{v}" for k, v in LAYER.items()})
+    return names
+
+
+def _file_shape(key: str, shape: tuple, cfg: ModelConfig) -> tuple:
+    leaf = key.split(".")[-1]
+    if leaf in ("A", "D"):
+        return (shape[0], 1)
+    if leaf == "ssm_norm":
+        return (cfg.n_groups, cfg.d_inner // cfg.n_groups)
+    return shape
+
+
+# -- writing ----------------------------------------------------------------------------------------
+def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
+    """Write `model` as a llama.cpp GGUF: `mamba` (Mamba-1, io.gguf) or `mamba2`."""
+    c = model.config
+    if set(c.layer_types) == {"mamba1"}:
+        return gguf1.export_gguf(model, out_path, dtype)
+    if set(c.layer_types) != {"mamba2"} or c.d_ff:
+        raise MambaDebugError(f"{model.source or 'this model'} is a Granite-4.0-H-style hybrid; writing GGUF "
+                              f"'granitehybrid' is not supported yet (Mamba-1 and Mamba-2 models are)")
+    if c.proj_bias:
+        raise MambaDebugError(f"{model.source or 'this model'} has in_proj/out_proj biases; llama.cpp's Mamba-2 "
+                              f"graph has no place for them")
+    gguf = gguf1._gguf()
+    dtype = str(dtype).lower()
+    if dtype not in gguf1.DTYPES:
+        raise MambaDebugError(f"--dtype must be one of {', '.join(gguf1.DTYPES)}, got {dtype!r}")
+    q = gguf.GGMLQuantizationType
+    big = {"f32": q.F32, "f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0}[dtype]
+    vocab = tokenizer_vocab(model) if model.tokenizer is not None else None
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), ARCH)
+    try:
+        w.add_name(Path(model.source).name or "mamba2")
+        w.add_context_length(2 ** 20)
+        w.add_embedding_length(c.d_model)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_block_count(c.n_layer)
+        w.add_ssm_conv_kernel(c.d_conv)
+        w.add_ssm_inner_size(c.d_inner)
+        w.add_ssm_state_size(c.d_state)
+        w.add_ssm_time_step_rank(c.n_heads)
+        w.add_ssm_group_count(c.n_groups)
+        w.add_layer_norm_rms_eps(c.rms_eps)
+        w.add_file_type(int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]))
+        if big not in (q.F32, q.F16):
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_vocab(w, vocab, c.vocab_size)
+        names = tensor_names(c.n_layer)
+        for key, shape in param_shapes(c).items():
+            if key == "lm_head" and (c.tie_embeddings or torch.equal(model.params["lm_head"], model.params["embed"])):
+                continue
+            t = model.params[key].detach().to(torch.float64).cpu().numpy().reshape(_file_shape(key, shape, c))
+            qt = big if key.split(".")[-1] in ("embed", "lm_head", "in_proj", "out_proj") else q.F32
+            data, qt = gguf1._encode(t, qt, gguf)
+            w.add_tensor(names[key], data, raw_dtype=qt)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        try:
+            w.close()
+        except Exception:  # noqa: BLE001
+            pass
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+# -- reading ----------------------------------------------------------------------------------------
+def load_gguf(path) -> MambaModel:
+    """Load a GGUF of architecture `mamba` (io.gguf) or `mamba2`."""
+    gguf = gguf1._gguf()
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+        arch = reader.get_field("general.architecture")
+        arch = arch.contents() if arch is not None else None
+    except Exception:  # noqa: BLE001 - io.gguf names the damage precisely
+        arch = None
+    if arch != ARCH:
+        return gguf1.load_gguf(path)
+    try:
+        return _load(reader, path, path.stat().st_size, gguf)
+    finally:
+        del reader
+
+
+def _load(reader, path: Path, size: int, gguf) -> MambaModel:
+    f = lambda key, kind=int: gguf1._field(reader, f"{ARCH}.{key}", path, kind=kind)  # noqa: E731
+    E, L, K, D, N = (f(k) for k in ("embedding_length", "block_count", "ssm.conv_kernel", "ssm.inner_size",
+                                     "ssm.state_size"))
+    H, G, eps = f("ssm.time_step_rank"), f("ssm.group_count"), f("attention.layer_norm_rms_epsilon", float)
+    by_name = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(f"{path}: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes} but the "
+                                  f"file has {size}; the file is truncated: re-download or re-export it")
+    if "token_embd.weight" not in by_name:
+        raise CheckpointError(f"{path}: tensor token_embd.weight is missing; the GGUF is incomplete")
+    V = int(by_name["token_embd.weight"].shape[-1])
+    tied = "output.weight" not in by_name
+    try:
+        cfg = ModelConfig(d_model=E, n_layer=L, vocab_size=V, d_state=N, d_conv=K, d_inner=D,
+                          expand=D // E if D % E == 0 else 2, rms_eps=gguf1._short_float(eps), tie_embeddings=tied,
+                          layer_types=("mamba2",) * L, n_heads=H, head_dim=D // H if H and D % H == 0 else 0,
+                          n_groups=G)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: the mamba2.* metadata describe an impossible model ({exc})") from exc
+    names = tensor_names(L)
+    shapes = param_shapes(cfg)
+    missing = [names[k] for k in shapes if names[k] not in by_name and not (k == "lm_head" and tied)]
+    if missing:
+        raise CheckpointError(f"{path}: tensor(s) {', '.join(missing[:6])} missing; the GGUF is incomplete")
+    params = {}
+    for key, shape in shapes.items():
+        if key == "lm_head" and tied:
+            continue
+        params[key] = gguf1._tensor(by_name[names[key]], _file_shape(key, shape, cfg), path, gguf).reshape(shape)
+    if tied:
+        params["lm_head"] = params["embed"]
+    params = check_params(cfg, params, str(path), names)
+    tokenizer, notes = read_tokenizer(reader)
+    return MambaModel(cfg, params, tokenizer, source=str(path), notes=notes)
+
+
+__all__ = ["export_gguf", "load_gguf", "tensor_names"]
