@@ -119,7 +119,7 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
     if arch != ARCH:
         kind = OTHER_GGUF_ARCHS.get(arch, f"a model of architecture {arch!r}")
         raise CheckpointError(f"{path}: general.architecture is {arch!r} ({kind}); mamba-debug reads GGUFs of "
-                              f"architecture 'mamba' and 'mamba2'; {arch!r} is not supported yet")
+                              f"architecture 'mamba', 'mamba2' and 'granitehybrid'; {arch!r} is not supported yet")
     if _field(reader, f"{ARCH}.ssm.dt_b_c_rms", path, required=False):
         raise CheckpointError(f"{path}: mamba.ssm.dt_b_c_rms is true, i.e. FalconMamba (Mamba-1 with RMS norms on "
                               f"dt, B and C); mamba-debug does not support FalconMamba yet")
