@@ -77,3 +77,25 @@ def test_llamacpp_runs_the_export_like_the_reference(tmp_path, kind, seed):
             llm.close()
         err = float((np.abs(got - ref).max(-1) / np.abs(ref).max(-1)).max())
         assert err < 1e-4, (seed, ub, err)
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba2", "tiny-granite-hybrid"])
+def test_shipped_models_export_with_their_tokenizer(tmp_path, name):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    try:
+        model = md.load_model(name)
+    except md.CheckpointError:
+        pytest.skip(f"data/{name} is not there")
+    text = "It was a fine morning, and she could not help"
+    ids = model.encode(text)
+    path = export_gguf(model, tmp_path / f"{name}.gguf")
+    ref = model.logits(torch.tensor([ids]))[0].numpy()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=4, n_ubatch=4, logits_all=True, type_k=0, type_v=0,
+                          verbose=False, n_threads=1, n_threads_batch=1)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=False) == ids
+        llm.eval(ids)
+        got = np.array(llm.scores[:len(ids)], dtype=np.float64)
+    finally:
+        llm.close()
+    assert float((np.abs(got - ref).max(-1) / np.abs(ref).max(-1)).max()) < 1e-4
