@@ -106,3 +106,30 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"backbone\.layers\.0\.mixer\.dt_bias"):
         md.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("seed", [808, 909])
+def test_mamba_ssm_layout_loads(tmp_path, seed):
+    """state-spaces' own Mamba-2 folder (config d_model/n_layer/ssm_cfg, pytorch_model.bin, `backbone.embedding`,
+    vocabulary padded to a multiple of 8), built from a transformers model with the same weights."""
+    import mamba_debug as md
+    hf_config = draw_mamba2_config(seed)
+    m = build(hf_config, seed)
+    c = hf_config
+    V = c.vocab_size
+    Vp = -(-V // 8) * 8
+    sd = {k.replace("backbone.embeddings.", "backbone.embedding."): v.clone() for k, v in m.state_dict().items()}
+    for k in ("backbone.embedding.weight", "lm_head.weight"):
+        sd[k] = torch.cat([sd[k], torch.zeros(Vp - V, c.hidden_size)])
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "d_model": c.hidden_size, "n_layer": c.num_hidden_layers, "vocab_size": V, "d_intermediate": 0,
+        "ssm_cfg": {"layer": "Mamba2", "d_state": c.state_size, "d_conv": c.conv_kernel, "expand": c.expand,
+                    "headdim": c.head_dim, "ngroups": c.n_groups, "chunk_size": c.chunk_size,
+                    "conv_bias": c.use_conv_bias},
+        "attn_layer_idx": [], "rms_norm": True, "residual_in_fp32": True, "norm_epsilon": c.layer_norm_epsilon,
+        "tie_embeddings": c.tie_word_embeddings, "pad_vocab_size_multiple": 8}))
+    model = md.load_model(tmp_path)
+    assert model.config.vocab_size == Vp
+    ids = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(seed))
+    assert _rel(model.logits(ids)[..., :V], hf_logits(m, ids)) < 1e-4

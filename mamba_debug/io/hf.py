@@ -115,6 +115,8 @@ def load_hf_mamba2_folder(folder: Path, raw: dict) -> MambaModel:
     where = str(folder / "config.json")
     cfg, notes = hf_mamba2.config_from_hf(raw, where)
     tensors = _read_tensors(folder)
+    if hf_mamba2.model_type(raw) == "mamba_ssm2":            # the vocabulary is padded inside the checkpoint
+        cfg.vocab_size = _vocab_rows(tensors, ("backbone.embedding.weight", "lm_head.weight"), cfg.vocab_size)
     shapes = param_shapes(cfg)
     params = check_params(cfg, hf_mamba2.params_from_hf(cfg, tensors, shapes, str(folder)), str(folder))
     tokenizer = _read_tokenizer(folder)

@@ -21,7 +21,10 @@ GRANITE_LAYER = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "
 
 
 def model_type(raw: dict) -> str | None:
-    """'mamba2' or 'granitemoehybrid' when this config.json is one of them, else None."""
+    """'mamba2', 'granitemoehybrid' or 'mamba_ssm2' (state-spaces' own Mamba-2 config: d_model, n_layer,
+    ssm_cfg.layer = "Mamba2") when this config.json is one of them, else None."""
+    if str((raw.get("ssm_cfg") or {}).get("layer", "")).lower() == "mamba2":
+        return "mamba_ssm2"
     mt = raw.get("model_type")
     if mt in MODEL_TYPES:
         return mt
@@ -59,8 +62,10 @@ def config_from_hf(raw: dict, where: str = "config.json") -> tuple[ModelConfig, 
     if not _limit_is_default(raw.get("time_step_limit")):
         notes.append(f"time_step_limit={raw['time_step_limit']} is not applied (llama.cpp and HF decode ignore it; "
                      f"HF prefill clamps dt)")
-    E = int(_need(raw, "hidden_size", where))
     try:
+        if mt == "mamba_ssm2":
+            return _mamba_ssm(raw, where), notes
+        E = int(_need(raw, "hidden_size", where))
         if mt == "mamba2":
             return _mamba2(raw, E, where), notes
         return _granite(raw, E, where), notes
@@ -82,6 +87,29 @@ def _mamba2(raw: dict, E: int, where: str) -> ModelConfig:
         proj_bias=bool(raw.get("use_bias", False)), layer_types=("mamba2",) * L,
         head_dim=int(raw.get("head_dim", 64)), n_heads=int(raw.get("num_heads", 128)),
         n_groups=int(raw.get("n_groups", 8)), chunk_size=int(raw.get("chunk_size", 256)))
+
+
+def _mamba_ssm(raw: dict, where: str) -> ModelConfig:
+    """mamba_ssm's MambaConfig with ssm_cfg.layer = "Mamba2" (its defaults: mamba_ssm/modules/mamba2.py)."""
+    ssm = raw.get("ssm_cfg") or {}
+    for key, ok in (("attn_layer_idx", lambda v: not v), ("d_intermediate", lambda v: not v),
+                    ("rms_norm", lambda v: v is not False)):
+        if not ok(raw.get(key)):
+            raise CheckpointError(f"{where}: {key}={raw[key]!r} is not supported (mamba_ssm's own attention layers, "
+                                  f"MLPs and LayerNorm models are not read yet)")
+    for key, ok in (("norm_before_gate", lambda v: not v), ("rmsnorm", lambda v: v is not False),
+                    ("D_has_hdim", lambda v: not v), ("d_ssm", lambda v: v is None)):
+        if not ok(ssm.get(key)):
+            raise CheckpointError(f"{where}: ssm_cfg.{key}={ssm[key]!r} is not supported (only the layout of the "
+                                  f"released Mamba-2 checkpoints)")
+    E, L = int(_need(raw, "d_model", where)), int(_need(raw, "n_layer", where))
+    expand = int(ssm.get("expand", 2))
+    return ModelConfig(
+        d_model=E, n_layer=L, vocab_size=int(_need(raw, "vocab_size", where)), d_state=int(ssm.get("d_state", 128)),
+        d_conv=int(ssm.get("d_conv", 4)), expand=expand, d_inner=expand * E, rms_eps=float(raw.get("norm_epsilon", 1e-5)),
+        tie_embeddings=bool(raw.get("tie_embeddings", True)), conv_bias=bool(ssm.get("conv_bias", True)),
+        proj_bias=bool(ssm.get("bias", False)), layer_types=("mamba2",) * L, head_dim=int(ssm.get("headdim", 64)),
+        n_groups=int(ssm.get("ngroups", 1)), chunk_size=int(ssm.get("chunk_size", 256)))
 
 
 def _granite(raw: dict, E: int, where: str) -> ModelConfig:
