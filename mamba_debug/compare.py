@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from .arch import model_ops
 from .backends import cpu_backend, cpu_threads_for, device_backend, reference_backend
 from .budget import check_budget, check_gpu_memory
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
@@ -79,7 +80,7 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
     to_host = s.ref_device == "cpu"
     host = cpu_backend(ref_device)
     ref64_backend = reference_backend(ref_device)
-    dev = device_backend(s.kernels, s.device)
+    dev = device_backend(s.kernels, s.device, uses=model_ops(model.config))
     info = lambda name, b, device: SideInfo(name, b.label, s.kernels if name != "ref32" and name != "ref64"  # noqa
                                             else None, device)
     ref_is_64 = s.reference_is_float64

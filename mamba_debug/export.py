@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import ops as ops_module
+from .arch import model_ops
 from .backends import cpu_backend, device_backend
 from .compare import run_compare
 from .errors import MambaDebugError
@@ -65,7 +66,7 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
         layer = fd["layer"]
     s = res.settings                                        # validated: the device that really ran
     device = s.device
-    dev = device_backend(s.kernels, device)
+    dev = device_backend(s.kernels, device, uses=model_ops(model.config))
     overridden = sorted(k for k, f in dev.ops.ops.items() if hasattr(f, "__wrapped__")) or list(dev.ops.ops)
     rec = _Recorder(layer, fd["ubatch"], set(overridden))
     host = cpu_backend(resolve_ref_device(s.ref_device))    # the host blocks where the comparison ran them

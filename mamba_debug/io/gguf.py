@@ -118,8 +118,8 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
     arch = _field(reader, "general.architecture", path)
     if arch != ARCH:
         kind = OTHER_GGUF_ARCHS.get(arch, f"a model of architecture {arch!r}")
-        raise CheckpointError(f"{path}: general.architecture is {arch!r} ({kind}); mamba-debug reads Mamba-1 GGUFs "
-                              f"(architecture 'mamba') only, {arch!r} is not supported yet")
+        raise CheckpointError(f"{path}: general.architecture is {arch!r} ({kind}); mamba-debug reads GGUFs of "
+                              f"architecture 'mamba', 'mamba2' and 'granitehybrid'; {arch!r} is not supported yet")
     if _field(reader, f"{ARCH}.ssm.dt_b_c_rms", path, required=False):
         raise CheckpointError(f"{path}: mamba.ssm.dt_b_c_rms is true, i.e. FalconMamba (Mamba-1 with RMS norms on "
                               f"dt, B and C); mamba-debug does not support FalconMamba yet")
@@ -312,20 +312,23 @@ def describe_gguf(path, notes=()) -> str:
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     tied = all(t.name != "output.weight" for t in reader.tensors)
+    a = f("general.architecture")
     tok = f("tokenizer.ggml.model")
     n_tok = len(reader.get_field("tokenizer.ggml.tokens").data) if reader.get_field("tokenizer.ggml.tokens") else 0
     lines = [
         f"wrote     {path} ({path.stat().st_size / 2**20:.2f} MiB)",
-        f"arch      {f('general.architecture')}: n_layer {f('mamba.block_count')}, n_embd "
-        f"{f('mamba.embedding_length')}, d_inner {f('mamba.ssm.inner_size')}, d_state {f('mamba.ssm.state_size')}, "
-        f"d_conv {f('mamba.ssm.conv_kernel')}, dt_rank {f('mamba.ssm.time_step_rank')}, "
-        f"rms_eps {f('mamba.attention.layer_norm_rms_epsilon'):g}",
+        f"arch      {a}: n_layer {f(a + '.block_count')}, n_embd "
+        f"{f(a + '.embedding_length')}, d_inner {f(a + '.ssm.inner_size')}, d_state {f(a + '.ssm.state_size')}, "
+        f"d_conv {f(a + '.ssm.conv_kernel')}, "
+        + (f"heads {f(a + '.ssm.time_step_rank')}, groups {f(a + '.ssm.group_count')}, " if a == "mamba2" else
+           f"dt_rank {f(a + '.ssm.time_step_rank')}, ")
+        + f"rms_eps {f(a + '.attention.layer_norm_rms_epsilon'):g}",
         f"tensors   {len(reader.tensors)}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         + (" (output tied to token_embd)" if tied else ""),
         f"tokenizer {tok}" + (f", {n_tok} tokens, pre {f('tokenizer.ggml.pre')!r}, "
                               f"bos {f('tokenizer.ggml.bos_token_id')}, eos {f('tokenizer.ggml.eos_token_id')}"
                               if tok == "gpt2" else
-                              f", vocab_size {f('mamba.vocab_size')} (no tokenizer in the model)"),
+                              f", vocab_size {f(a + '.vocab_size')} (no tokenizer in the model)"),
     ]
     lines += [f"note      {n}" for n in notes]
     del reader

@@ -1,5 +1,6 @@
 """HF-format folders, read and written: transformers' `MambaForCausalLM` (config.json + model.safetensors
-[+ tokenizer.json], as `save_pretrained` writes it) and the original state-spaces layout (read only).
+[+ tokenizer.json], as `save_pretrained` writes it) and the original state-spaces layout (read only);
+`Mamba2ForCausalLM` and `GraniteMoeHybridForCausalLM` (dense) through the tables of `hf_mamba2`.
 
 Each layout is one table (`LAYOUTS`): its config.json keys and its tensor names, both mapped to the canonical
 ones (`ModelConfig` fields, `arch.param_shapes` names); the reader and the writer use the same table. Pickled
@@ -18,6 +19,7 @@ from ..arch import param_shapes
 from ..config import MambaConfig
 from ..errors import CheckpointError
 from ..model import MambaModel
+from . import hf_mamba2
 from .weights import check_params
 
 
@@ -107,6 +109,22 @@ def load_hf_folder(folder: Path, raw: dict | None = None) -> MambaModel:
     return MambaModel(cfg, params, _read_tokenizer(folder), source=str(folder))
 
 
+def load_hf_mamba2_folder(folder: Path, raw: dict) -> MambaModel:
+    """A transformers Mamba-2 or Granite-4.0-H dense hybrid folder (no tokenizer files: token ids only)."""
+    folder = Path(folder)
+    where = str(folder / "config.json")
+    cfg, notes = hf_mamba2.config_from_hf(raw, where)
+    tensors = _read_tensors(folder)
+    if hf_mamba2.model_type(raw) == "mamba_ssm2":            # the vocabulary is padded inside the checkpoint
+        cfg.vocab_size = _vocab_rows(tensors, ("backbone.embedding.weight", "lm_head.weight"), cfg.vocab_size)
+    shapes = param_shapes(cfg)
+    params = check_params(cfg, hf_mamba2.params_from_hf(cfg, tensors, shapes, str(folder)), str(folder))
+    tokenizer = _read_tokenizer(folder)
+    if tokenizer is None:
+        notes.append("no tokenizer.json: pass token ids")
+    return MambaModel(cfg, params, tokenizer, source=str(folder), notes=notes)
+
+
 def _lookup(raw: dict, key: str):
     """(found, value) of a config.json key; "a.b" looks in the object under "a" (absent or null = empty)."""
     head, _, tail = key.partition(".")
@@ -193,12 +211,19 @@ def _dt_rank(value, d_model: int) -> int:
 
 # -- writing ---------------------------------------------------------------------------------------
 def save_hf(model: MambaModel, folder, dtype: torch.dtype = torch.float32) -> Path:
-    """Write `model` as a transformers `MambaForCausalLM` folder (config.json + model.safetensors
-    [+ tokenizer.json]); `load_model` and transformers read it back."""
+    """Write `model` as a transformers `MambaForCausalLM` folder (`Mamba2ForCausalLM` or
+    `GraniteMoeHybridForCausalLM` for those layer types): config.json + model.safetensors [+ tokenizer.json];
+    `load_model` and transformers read it back."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
     c, folder = model.config, Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if set(c.layer_types) != {"mamba1"}:                     # Mamba2ForCausalLM / GraniteMoeHybridForCausalLM
+        save_file(hf_mamba2.params_to_hf(c, model.params, dtype), str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(hf_mamba2.config_to_hf(c), indent=2))
+        if model.tokenizer is not None:
+            model.tokenizer.save(str(folder / "tokenizer.json"))
+        return folder
     table, names = LAYOUTS["transformers"], tensor_names(c, "transformers")
     tensors = {names[k]: _to_file(k, model.params[k]) for k in param_shapes(c)
                if not (k == "lm_head" and c.tie_embeddings)}

@@ -115,8 +115,7 @@ class TorchSide:
     def _run(self, tokens) -> StepOutput:
         before = self.runner.save_states() if self.keep_states_before else None
         if self.local_of is not None:
-            embed = self.model.weights(self.runner.host)["embed"]
-            self.embedded = embed[tokens.to(embed.device)]
+            self.embedded = self.runner.embed(tokens)
         logits = self.runner.forward(tokens)
         after = (self.runner.save_states() if self.keep_states_after_from is not None
                  and self.u >= self.keep_states_after_from else None)
