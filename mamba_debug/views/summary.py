@@ -26,7 +26,7 @@ def per_layer(res: CompareResult) -> list[dict]:
     rows = []
     for i in range(res.n_layer):
         sites, first_bad, worst = {}, None, (0.0, None)
-        for site in LAYER_SITES:
+        for site in (res.layer_sites[i] if i < len(res.layer_sites) else LAYER_SITES):
             key = (i, site)
             if key not in res.errors:
                 continue
@@ -63,7 +63,9 @@ def to_json(res: CompareResult) -> dict:
                    "device_label": res.device_label, "rule": s.rule, "first_device_layer": res.placement.first_device_layer,
                    "head_on_device": res.placement.head_on_device, "n_prompt": res.n_prompt, "n_gen": s.n_gen,
                    "reference": s.reference, "ref_device": s.ref_device, "k_floor": s.k_floor, "capture": s.capture,
-                   "local": s.local, "repeat": s.repeat, "model": res.model_info},
+                   "local": s.local, "repeat": s.repeat, "model": res.model_info,
+                   "engine": s.engine, "ubatch_per_seq": s.ubatch_per_seq(),
+                   **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {})},
         "first_divergence": fd,
         "verdict": verdict(res),
         "logits": {"kld_mean": _num(lg["kld"].mean()), "kld_max": _num(lg["kld"].max()),
