@@ -56,6 +56,7 @@ class LlamaCppSide:
         self.gguf = gguf_for(model)
         self.tracing, self.u, self.error = True, -1, None
         self.n_seqs = None
+        self._observed = self.observed_sites()
         self._load()
 
     # -- setup ------------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class LlamaCppSide:
                 g["tokens"] = read_data(self.lib, src).reshape(-1).copy()
             if node.op == "SSM_CONV":
                 g["shape"] = (node.ne[1], node.ne[2])
-            if node.site:
+            if node.site and (node.layer, node.site) in self._observed:
                 if FAULT is not None:
                     FAULT(node, host_array(node), self.u)
                 g["data"][(node.layer, node.site)] = read_data(self.lib, node)
