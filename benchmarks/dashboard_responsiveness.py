@@ -53,15 +53,14 @@ def main() -> int:
     import triton
 
     import mamba_debug as md
-    from mamba_debug.backends import resolve_device
-    from mamba_debug.dashboard import Dashboard
+    from mamba_debug.settings import resolve_device
 
     model = md.load_model()
     L = model.config.n_layer
     P = len(model.encode(PROMPT))
     load_before = os.getloadavg()
     t = time.perf_counter()
-    dash = Dashboard(model, PROMPT, kernels="triton", n_gen=args.n_gen, offload=2, ubatch=P)
+    dash = md.Dashboard(model, PROMPT, kernels="triton", n_gen=args.n_gen, offload=2, ubatch=P)
     first = dict(dash.timings, wall_ms=(time.perf_counter() - t) * 1e3)
 
     new_runs = {"offload 2, ubatch P (dashboard start)": first}

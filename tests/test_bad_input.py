@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import mamba_debug as md
 from mamba_debug.errors import CheckpointError, MambaDebugError
-from mamba_debug.saving import save_hf
+from mamba_debug.io import save_hf
 
 from conftest import random_model
 

@@ -12,8 +12,9 @@ from mamba_debug.cli import main as cli_main
 from mamba_debug.compare import CompareSettings, run_compare
 from mamba_debug.errors import MambaDebugError, PluginError
 from mamba_debug.export import export_case
-from mamba_debug.result import load_trace, save_trace, summary, to_json
-from mamba_debug.saving import save_hf
+from mamba_debug.io import save_hf
+from mamba_debug.trace import TRACE_VERSION, load_trace, save_trace
+from mamba_debug.views import summary, to_json
 from mamba_debug.sweep import bisect_layer, run_sweep
 
 from conftest import random_model
@@ -134,7 +135,7 @@ def test_trace_from_another_version_is_a_clear_error(model, tmp_path):
     from safetensors.torch import save_file
     save_file({"tokens": torch.zeros(1, 2)}, str(tmp_path / "old.safetensors"),
               metadata={"format": "mamba-debug-trace", "version": "0", "result": "{}"})
-    with pytest.raises(MambaDebugError, match="version 0 but this mamba-debug reads version 1"):
+    with pytest.raises(MambaDebugError, match=f"version 0 but this mamba-debug reads version {TRACE_VERSION}"):
         load_trace(tmp_path / "old.safetensors")
 
 

@@ -1,8 +1,6 @@
 """GGUF (llama.cpp, architecture `mamba`): export, load, round trips and damaged files."""
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import pytest
 import torch
@@ -10,11 +8,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from conftest import random_model  # noqa: E402
-from mamba_debug import gguf_io  # noqa: E402
+from mamba_debug.cli import build_parser  # noqa: E402
 from mamba_debug.errors import CheckpointError, MambaDebugError  # noqa: E402
-from mamba_debug.gguf_io import describe_gguf, export_gguf, load_gguf  # noqa: E402
-from mamba_debug.loading import load_model  # noqa: E402
-from mamba_debug.saving import save_hf  # noqa: E402
+from mamba_debug.io import gguf as io_gguf  # noqa: E402
+from mamba_debug.io import DEFAULT_MODEL, describe_gguf, export_gguf, load_gguf, load_model, save_hf  # noqa: E402
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
         "want of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -73,7 +70,7 @@ def test_f32_round_trip_is_exact(tmp_path):
     for k, v in m.params.items():
         assert torch.equal(g.params[k], v), k
     assert torch.equal(g.logits(TOKENS % 61), m.logits(TOKENS % 61))
-    assert g.tokenizer is None and "no tokenizer" in g.source
+    assert g.tokenizer is None and g.source == str(path) and "no tokenizer" in g.notes[0]
     # and GGUF -> GGUF is a fixed point
     g2 = load_gguf(export_gguf(g, tmp_path / "exact2.gguf"))
     assert all(torch.equal(g2.params[k], v) for k, v in g.params.items())
@@ -93,7 +90,7 @@ def test_f32_round_trip_of_hf_model(f32_file, hf_model):
 
 def test_tokenizer_round_trip(f32_file, hf_model, tok):
     g = load_gguf(f32_file)
-    assert g.tokenizer is not None and g.source == str(f32_file)
+    assert g.tokenizer is not None and g.source == str(f32_file) and g.notes == []
     assert g.encode(SAMPLE) == hf_model.encode(SAMPLE) == tok.encode(SAMPLE).ids
     ids = g.encode(SAMPLE)
     assert g.decode(ids) == hf_model.decode(ids)
@@ -156,6 +153,7 @@ def test_untied_output_and_describe(tmp_path):
     assert torch.allclose(g.params["lm_head"], m.params["lm_head"], atol=1e-3)
     text = describe_gguf(path)
     assert "arch      mamba" in text and "F16" in text and "no tokenizer" in text
+    assert "note      " not in text and describe_gguf(path, g.notes + ["x"]).endswith("\nnote      x")
 
 
 def test_export_refuses_what_llamacpp_cannot_load(tmp_path):
@@ -169,8 +167,7 @@ def test_export_refuses_what_llamacpp_cannot_load(tmp_path):
 
 
 def test_cli_export_gguf(hf_model, tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    gguf_io.add_gguf_commands(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     folder = str(hf_model.source)
     args = parser.parse_args(["export-gguf", "--model", folder, "--out", str(tmp_path / "o.gguf"), "--dtype", "q8_0"])
     assert args.func(args) == 0
@@ -214,7 +211,7 @@ def test_missing_tensor(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("arch, words", [("mamba2", "Mamba-2"), ("llama", "'llama'")])
 def test_wrong_architecture(monkeypatch, tmp_path, arch, words):
-    monkeypatch.setattr(gguf_io, "ARCH", arch)
+    monkeypatch.setattr(io_gguf, "ARCH", arch)
     path = export_gguf(random_model(), tmp_path / f"{arch}.gguf")
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match="not supported yet") as exc:
@@ -232,13 +229,13 @@ def test_falcon_mamba_flag(monkeypatch, tmp_path):
 
 
 def test_unsupported_tensor_type(monkeypatch, tmp_path):
-    real = gguf_io._encode
+    real = io_gguf._encode
 
     def as_int(t, qt, g):
         if t.ndim == 1 and t.shape[0] == 64 and (t > 0).all() and (t < 2).all():   # ssm_d (around 1)
             return t.astype(np.int32), g.GGMLQuantizationType.I32
         return real(t, qt, g)
-    monkeypatch.setattr(gguf_io, "_encode", as_int)
+    monkeypatch.setattr(io_gguf, "_encode", as_int)
     path = export_gguf(random_model(), tmp_path / "int.gguf")
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match="I32.*cannot dequantize"):
@@ -260,7 +257,6 @@ def test_nan_and_positive_a(tmp_path):
 
 def test_shipped_tiny_model_round_trip(tmp_path):
     """The shipped model: f32 GGUF reloads to the same weights (ssm_a up to f32 rounding) and tokenizer."""
-    from mamba_debug.loading import DEFAULT_MODEL
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip(f"the shipped tiny model is not in {DEFAULT_MODEL}")
     m = load_model()
@@ -275,3 +271,48 @@ def test_shipped_tiny_model_round_trip(tmp_path):
     eos = m.tokenizer.token_to_id("<|endoftext|>")
     if eos is not None:
         assert r.get_field("tokenizer.ggml.eos_token_id").contents() == eos
+
+
+# -- the vocabulary through GGUF (tokenizers library on both ends) --------------------------------------------
+ID_TEXTS = ["Elizabeth was not a little surprised.\n\nMr. Darcy bowed, and said nothing.\n",
+            "1234567890 3.14159 -42 1e-5 on 2024-11-30, 007",
+            "Ünïcode: café, naïve, Straße, Ελληνικά, 日本語, emoji 🙂👍",
+            "tabs\tand  double  spaces \r\n   trailing   ",
+            "<|endoftext|>It began again.<|endoftext|>and again<|endoftext|>", ""]
+
+
+def _same_ids(a, b, texts):
+    for text in texts:
+        ids = a.encode(text).ids
+        assert b.encode(text).ids == ids, text
+        assert b.decode(ids) == a.decode(ids), text
+
+
+def test_shipped_tokenizer_same_ids_after_gguf_round_trip(tmp_path):
+    """The shipped model's tokenizer and the one rebuilt from its exported GGUF: same vocabulary, same special
+    tokens, same ids and decoded text (non-ASCII, newlines, digits, the special token); GGUF -> GGUF is a fixed point."""
+    if not (DEFAULT_MODEL / "tokenizer.json").is_file():
+        pytest.skip(f"the shipped tiny model is not in {DEFAULT_MODEL}")
+    shipped = load_model().tokenizer
+    rebuilt = load_gguf(export_gguf(load_model(), tmp_path / "a.gguf")).tokenizer
+    again = load_gguf(export_gguf(load_gguf(tmp_path / "a.gguf"), tmp_path / "b.gguf")).tokenizer
+    assert rebuilt.get_vocab() == shipped.get_vocab() == again.get_vocab()
+    added = lambda t: {i: (a.content, a.special) for i, a in t.get_added_tokens_decoder().items()}  # noqa: E731
+    assert added(rebuilt) == added(shipped) == added(again)
+    eos = shipped.token_to_id("<|endoftext|>")
+    assert eos is not None and shipped.encode(ID_TEXTS[4]).ids.count(eos) == 3         # the special token splits
+    _same_ids(shipped, rebuilt, ID_TEXTS)
+    _same_ids(shipped, again, ID_TEXTS)
+
+
+def test_added_tokens_keep_their_type_and_ids(tmp_path, tok):
+    """A user-defined added token (type USER_DEFINED) and the special one (CONTROL) come back at their ids."""
+    from tokenizers import Tokenizer
+    t = Tokenizer.from_str(tok.to_str())
+    t.add_tokens(["<user>"])
+    m = random_model(vocab_size=t.get_vocab_size() + 3)
+    m.tokenizer = t
+    path = export_gguf(m, tmp_path / "added.gguf")
+    types = gguf.GGUFReader(str(path)).get_field("tokenizer.ggml.token_type").contents()
+    assert types[t.token_to_id("<user>")] == 4 and types[t.token_to_id("<|endoftext|>")] == 3
+    _same_ids(t, load_gguf(path).tokenizer, ID_TEXTS + ["x<user>y <user>"])

@@ -65,11 +65,11 @@ def dash():
 
 
 def test_dashboard_reuses_cached_runs_and_redraws(dash, monkeypatch):
-    import mamba_debug.dashboard as dmod
+    from mamba_debug.dashboard import state
 
     calls = []
-    real = dmod.run_compare
-    monkeypatch.setattr(dmod, "run_compare", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = state.run_compare
+    monkeypatch.setattr(state, "run_compare", lambda *a, **k: calls.append(k) or real(*a, **k))
     assert dash.errors == [] and dash.result is not None
     first = dash.result
     curve_all, png_all = dash.view_data["curve"].copy(), dash.images["curve"]
@@ -95,8 +95,6 @@ def test_dashboard_reuses_cached_runs_and_redraws(dash, monkeypatch):
 
 
 def test_dashboard_shows_callback_errors(dash, monkeypatch):
-    import mamba_debug.dashboard as dmod
-
     shown = dash.result
     dash.w_kernels.options = list(dash.w_kernels.options) + ["no_such_kernels"]
     dash.w_kernels.value = "no_such_kernels"                     # a callback that raises
@@ -109,7 +107,7 @@ def test_dashboard_shows_callback_errors(dash, monkeypatch):
 
     def broken(*a, **k):
         raise RuntimeError("plot exploded")
-    monkeypatch.setattr(dmod, "draw_curve", broken)
+    monkeypatch.setattr(dash.views["curve"], "draw", broken)
     dash.set(site="gate")
     assert "RuntimeError" in dash.error_text and "plot exploded" in dash.error_text
     assert "Traceback" in dash.errors[-1]["traceback"]

@@ -352,12 +352,12 @@ def test_replay_activations_captured_from_the_model(kern):
         pytest.skip("the model runs on the CPU here")
     from mamba_debug.config import MambaConfig
     from mamba_debug.model import MambaModel
-    from mamba_debug.weights import expected_shapes
+    from mamba_debug.arch import param_shapes
 
     cfg = MambaConfig(d_model=24, n_layer=2, vocab_size=50, d_state=16, d_conv=4)
     g = torch.Generator().manual_seed(13)
     params = {k: torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5
-              for k, shape in expected_shapes(cfg).items()}
+              for k, shape in param_shapes(cfg).items()}
     for i in range(cfg.n_layer):
         p = f"layers.{i}."
         params[p + "norm"] = 1 + 0.1 * params[p + "norm"]

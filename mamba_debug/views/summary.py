@@ -1,38 +1,38 @@
-"""TEMPORARY until the views branch merges."""
+"""The comparison as data (DESIGN.md's JSON), its verdict and a short readable summary.
+
+A site the device side did not observe has NaN errors in the trace; here its error numbers are `null`, never "nan"
+and never 0, and it is neither the worst site nor a first bad token. Its floor and threshold stay: they come from
+the two reference sides alone.
+"""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from ..trace import CompareResult, RESULT_VERSION, TRACE_FORMAT
-
-LAYER_SITES = ("norm", "xz", "conv", "conv_state", "conv_act", "dt", "B", "C", "y_scan", "ssm_state",
-               "y_skip", "gate", "y_gated", "out", "resid")
+from ..arch import MODEL_SITES
+from ..trace import RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, nanmax
 
 
-def _num(x: float):
-    """JSON has no inf/nan: write them as strings, keep finite floats."""
-    x = float(x)
-    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf" if x < 0 else "nan")
-
-
-def _nanmax(t: torch.Tensor) -> float:
-    t = t[~torch.isnan(t)]
-    return float(t.max()) if t.numel() else math.nan
+def _err(res: CompareResult, key):
+    """A site's worst error as a JSON number; null where the device side did not observe it."""
+    return json_num(nanmax(res.errors[key]["rel_l2"])) if res.is_observed(key) else None
 
 
 def per_layer(res: CompareResult) -> list[dict]:
     rows = []
     for i in range(res.n_layer):
         sites, first_bad, worst = {}, None, (0.0, None)
-        for site in (res.layer_sites[i] if i < len(res.layer_sites) else LAYER_SITES):
+        for site in res.layer_sites[i]:
             key = (i, site)
             if key not in res.errors:
                 continue
-            err = _nanmax(res.errors[key]["rel_l2"])
             thr = res.thresholds[key]
-            sites[site] = {"max_rel_l2": _num(err), "floor": _num(_nanmax(res.floor[key])), "threshold": _num(thr)}
+            sites[site] = {"max_rel_l2": _err(res, key), "floor": json_num(nanmax(res.floor[key])),
+                           "threshold": json_num(thr)}
+            if not res.is_observed(key):
+                continue
+            err = nanmax(res.errors[key]["rel_l2"])
             ratio = err / thr if thr > 0 else math.inf
             if ratio > worst[0] or math.isnan(ratio):
                 worst = (ratio, site)
@@ -41,13 +41,14 @@ def per_layer(res: CompareResult) -> list[dict]:
                 first_bad = {"token": int(ex[0]), "site": site}
         row = {"layer": i, "on_device": res.placement.on_device(i),
                "resid_max_rel_l2": sites.get("resid", {}).get("max_rel_l2"),
-               "worst_site": worst[1], "worst_ratio_to_threshold": _num(worst[0]),
+               "worst_site": worst[1], "worst_ratio_to_threshold": json_num(worst[0]),
                "first_bad": first_bad, "sites": sites}
         if i in res.local:
-            local = _nanmax(res.local[i])
-            incoming = _nanmax(res.errors[(i - 1, "resid")]["rel_l2"]) if i > 0 else 0.0
-            row["local_resid_rel_l2"] = _num(local)
-            row["amplification"] = _num(_nanmax(res.errors[(i, "resid")]["rel_l2"]) / incoming) if incoming > 0 else None
+            resid = (i, "resid")
+            incoming = nanmax(res.errors[(i - 1, "resid")]["rel_l2"]) if i > 0 else 0.0
+            row["local_resid_rel_l2"] = json_num(nanmax(res.local[i]))
+            row["amplification"] = (json_num(nanmax(res.errors[resid]["rel_l2"]) / incoming)
+                                    if incoming > 0 and res.is_observed(resid) else None)
         rows.append(row)
     return rows
 
@@ -60,7 +61,8 @@ def to_json(res: CompareResult) -> dict:
         "format": TRACE_FORMAT, "version": RESULT_VERSION,
         "config": {"n_layer": res.n_layer, "offload": res.placement.offload, "ubatch": s.ubatch, "n_seqs": s.n_seqs,
                    "kernels": s.kernels, "device": res.sides["device"].device,
-                   "device_label": res.device_label, "rule": s.rule, "first_device_layer": res.placement.first_device_layer,
+                   "device_label": res.sides["device"].label, "rule": s.rule,
+                   "first_device_layer": res.placement.first_device_layer,
                    "head_on_device": res.placement.head_on_device, "n_prompt": res.n_prompt, "n_gen": s.n_gen,
                    "reference": s.reference, "ref_device": s.ref_device, "k_floor": s.k_floor, "capture": s.capture,
                    "local": s.local, "repeat": s.repeat, "model": res.model_info,
@@ -68,14 +70,14 @@ def to_json(res: CompareResult) -> dict:
                    **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {})},
         "first_divergence": fd,
         "verdict": verdict(res),
-        "logits": {"kld_mean": _num(lg["kld"].mean()), "kld_max": _num(lg["kld"].max()),
-                   "top1_agreement": _num(lg["top1"].mean()), "rms_dp_mean": _num(lg["rms_dp"].mean()),
-                   "kld_per_token": [[_num(v) for v in row] for row in lg["kld"].tolist()],
-                   "ppl_reference": _num(res.perplexity.get("reference", math.nan)),
-                   "ppl_device": _num(res.perplexity.get("device", math.nan))},
+        "logits": {"kld_mean": json_num(lg["kld"].mean()), "kld_max": json_num(lg["kld"].max()),
+                   "top1_agreement": json_num(lg["top1"].mean()), "rms_dp_mean": json_num(lg["rms_dp"].mean()),
+                   "kld_per_token": [[json_num(v) for v in row] for row in lg["kld"].tolist()],
+                   "ppl_reference": json_num(res.perplexity.get("reference", math.nan)),
+                   "ppl_device": json_num(res.perplexity.get("device", math.nan))},
         "per_layer": per_layer(res),
-        "model_level": {site: {"max_rel_l2": _num(_nanmax(res.errors[(None, site)]["rel_l2"])),
-                               "threshold": _num(res.thresholds[(None, site)])} for site in ("final_norm", "logits")},
+        "model_level": {site: {"max_rel_l2": _err(res, (None, site)),
+                               "threshold": json_num(res.thresholds[(None, site)])} for site in MODEL_SITES},
         "tokens": [{"token": t.token, "ubatch": t.ubatch, "index_in_ubatch": t.index_in_ubatch, "phase": t.phase}
                    for t in res.token_info],
         "nondeterminism": res.nondeterminism,
@@ -84,10 +86,16 @@ def to_json(res: CompareResult) -> dict:
     }
 
 
+def not_observed(res: CompareResult) -> list:
+    """The compared (layer, site) keys the device side did not observe, in graph order."""
+    return [k for k in res.site_order() if not res.is_observed(k)]
+
+
 def verdict(res: CompareResult) -> str:
     fd = res.first_divergence
     if fd is None:
-        worst = max((_nanmax(res.errors[k]["rel_l2"]) / res.thresholds[k] for k in res.errors), default=0.0)
+        worst = max((nanmax(res.errors[k]["rel_l2"]) / res.thresholds[k] for k in res.errors if res.is_observed(k)),
+                    default=0.0)
         return (f"no divergence: every site stays within {res.settings.k_floor:g}x its float32 rounding floor "
                 f"(worst site at {worst:.2g}x its threshold)")
     where = "the output head" if fd["layer"] is None else f"layer {fd['layer']}"
@@ -108,6 +116,11 @@ def summary(res: CompareResult) -> str:
              f"verdict   {j['verdict']}",
              f"logits    KLD mean {_fmt(lg['kld_mean'])} max {_fmt(lg['kld_max'])}, top-1 agreement "
              f"{_fmt(lg['top1_agreement'])}, perplexity ref {_fmt(lg['ppl_reference'])} / device {_fmt(lg['ppl_device'])}"]
+    missing = not_observed(res)
+    if missing:
+        names = ", ".join(f"{'head' if layer is None else 'L%d' % layer}:{site}" for layer, site in missing[:6])
+        lines.append(f"observed  the device side did not observe {len(missing)} site(s): {names}"
+                     f"{' ...' if len(missing) > 6 else ''} (null in the JSON, hatched in the views)")
     bad = [r for r in j["per_layer"] if r["first_bad"]]
     if bad:
         lines.append("layers    first bad token per layer: " +
@@ -132,5 +145,3 @@ def _ref_where(ref_device: str) -> str:
 
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-

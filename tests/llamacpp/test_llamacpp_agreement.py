@@ -30,9 +30,7 @@ llama_cpp = pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh (builds llama.cpp from "
                         "source once, ~9 min on 2 cores, cached in ~/.cache/mamba-debug/wheels/)")
 
-from mamba_debug.gguf_io import export_gguf, load_gguf  # noqa: E402
-from mamba_debug.loading import load_model  # noqa: E402
-from mamba_debug.saving import save_hf  # noqa: E402
+from mamba_debug.io import export_gguf, load_gguf, load_model, save_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "data" / "tiny-mamba"

@@ -1,0 +1,464 @@
+"""The notebook dashboard: one model and prompt(s), every view of the registry, driven by widgets.
+
+Three layers stay apart:
+
+* **state** (`dashboard.state`) - a `DashState` is (prompt, `RunSettings`, `ViewState`); `RunCache` keeps one
+  `CompareResult` per (prompt ids, settings) and the reference side shared between runs, so returning to a seen
+  configuration redraws at once.
+* **views** (`mamba_debug.views`) - pure: (figure, result, view state) in, pixels out; the registry says which
+  `ViewState` fields each view reads.
+* **callbacks** (here) - `Dashboard` reads every widget into a new `DashState`, compares it with the current one and
+  does the least work: new run settings run (or fetch) a comparison and redraw everything, a new view state redraws
+  the views that depend on what changed. Every callback is guarded: an exception goes to the error area at the top
+  of the dashboard (and `Dashboard.errors`), never into the void of a widget callback.
+
+Figures are rendered to PNG and shown in `ipywidgets.Output` areas (clear_output + display), which works with the
+plain inline backend and in any frontend. ipympl is not required; when it is installed the sweep matrix is also
+clickable (a click jumps to that configuration); the "jump to" dropdown does the same everywhere.
+
+    import mamba_debug as md
+    dash = md.Dashboard(model, "It is a truth universally acknowledged", kernels="bug_strided_gate")
+    dash.widget                      # show it
+    dash.set(offload=6, ubatch=8)    # or move the sliders
+    dash.timings                     # {'redraw_ms': ..., 'run_ms': ..., 'source': 'cache' | 'run', ...}
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import html
+import re
+import time
+import traceback
+from collections import OrderedDict
+from typing import Optional, Sequence, Union
+
+from ..settings import RunSettings
+from ..sweep import run_sweep, sweep_cell
+from ..trace import CompareResult
+from ..views import registry
+from ..views.base import FIELDS, ViewState, fig_png, new_figure
+from ..views.summary import verdict
+from .controls import Controls, error_html, status_html, timing_html
+from .state import DashState, RunCache, dashboard_settings
+
+Prompt = Union[str, Sequence[int], Sequence[str]]
+PNG_CACHE_SIZE = 256                         # rendered views kept (about 20-30 kB each)
+
+
+def _guarded(fn):
+    """Run a callback; an exception goes to the dashboard's error area instead of vanishing."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - shown to the user, kept in self.errors
+            self._report_error(fn.__name__, exc)
+            return None
+    return wrapper
+
+
+class Dashboard:
+    """Widgets over `run_compare` for one model and prompt(s). See the module docstring.
+
+    model: a Model (`md.load_model()`). prompt: text, token ids, or a list of texts (a prompt dropdown).
+    offload: None = everything on the device (n_layer + 1). ubatch: None = the whole prompt in one ubatch.
+    sweep_offloads / sweep_ubatches: the grid of `run_sweep_matrix` (defaults: 0, n/2, n, n+1 x 1, 8, P).
+    result: CompareResult(s) already computed for this model and prompt: cached, the last one shown first.
+    sweep: a `run_sweep` result for this prompt: its cells fill the sweep matrix.
+    autorun: compute the first configuration now (else at the first change or `refresh()`).
+    """
+
+    def __init__(self, model, prompt: Prompt, *, kernels: str = "triton", device: Optional[str] = None,
+                 offload: Optional[int] = None, ubatch: Optional[int] = None, n_gen: int = 4, n_seqs: int = 1,
+                 reference: str = "float32", rule: str = "llama2024", sweep_offloads: Optional[Sequence[int]] = None,
+                 sweep_ubatches: Optional[Sequence[int]] = None,
+                 result: Union[CompareResult, Sequence[CompareResult], None] = None, sweep: Optional[dict] = None,
+                 autorun: bool = True, max_cached_runs: int = 32, dpi: int = 72):
+        self.model = model
+        self.n_layer = model.config.n_layer
+        self.prompts, self.prompt_ids = self._encode_prompts(prompt)
+        self.cache = RunCache(max_cached_runs)
+        self._failed: dict = {}          # (prompt ids, settings) -> the exception it raised (shown again, not re-run)
+        self.state: Optional[DashState] = None
+        self.result: Optional[CompareResult] = None
+        self.errors: list[dict] = []
+        self.timings: dict = {}
+        self.images: dict[str, bytes] = {}
+        self.view_data: dict = {}
+        self._pngs: OrderedDict = OrderedDict()   # rendered views, by view, run and the view fields it reads
+        self.dpi = dpi
+        self._holding = False
+        # what every run of this dashboard shares; the widgets set offload, ubatch and kernels
+        self._base = RunSettings(n_gen=n_gen, n_seqs=n_seqs, device=device, reference=reference, rule=rule)
+        P = max(len(ids) for ids in self.prompt_ids)
+        self.sweep_offloads = list(sweep_offloads) if sweep_offloads is not None else \
+            sorted({0, self.n_layer // 2, self.n_layer, self.n_layer + 1})
+        self.sweep_ubatches = list(sweep_ubatches) if sweep_ubatches is not None else sorted({1, min(8, P), P})
+        self.sweep: dict = {"offloads": [], "ubatches": [], "cells": [], "kernels": kernels}
+        self._sweep_cells: dict[tuple, dict] = {}     # (kernels, prompt, offload, ubatch) -> cell
+        self.views = {v.name: v for v in registry.VIEWS}
+        # no pyplot: figures never leak into cell output
+        self._figs = {v.name: new_figure(v.figsize) for v in registry.VIEWS if v.kind in ("figure", "sweep")}
+        self.controls = Controls(model.config, self.prompts, P, kernels=kernels, offload=offload, ubatch=ubatch or P,
+                                 n_seqs=n_seqs, n_gen=n_gen, figures=self._figs)
+        for name, w in vars(self.controls).items():     # the widgets are the dashboard's: dash.w_offload, ...
+            if name.startswith("w_"):
+                setattr(self, name, w)
+        self.out, self.widget = self.controls.out, self.controls.widget
+        self._sweep_canvas = self.controls.sweep_canvas
+        for w in self.controls.value_widgets().values():
+            w.observe(self._on_widget, names="value")
+        self.w_first.on_click(lambda _b: self.goto_first_divergence())
+        self.w_sweep_btn.on_click(lambda _b: self.run_sweep_matrix())
+        self.w_jump.observe(self._on_jump, names="value")
+        for res in ([result] if isinstance(result, CompareResult) else list(result or [])):
+            self._seed(res)             # the last one is shown first
+        if sweep is not None:
+            self._seed_sweep(sweep)
+        if autorun:
+            self.refresh()
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _encode_prompts(self, prompt: Prompt):
+        if isinstance(prompt, str):
+            texts = [prompt]
+        elif len(prompt) and all(isinstance(p, str) for p in prompt):
+            texts = list(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            return [self.model.decode(ids)[:60]], [ids]
+        ids = [self.model.encode(t) for t in texts]
+        for t, i in zip(texts, ids):
+            if not i:
+                raise ValueError(f"prompt {t!r} encodes to no tokens")
+        return texts, ids
+
+    def _seed(self, res: CompareResult):
+        """Put a result computed outside the dashboard into the cache (it must be for one of our prompts)."""
+        prompt = next((i for i, ids in enumerate(self.prompt_ids)
+                       if res.tokens[0, :res.n_prompt].tolist() == ids), None)
+        if prompt is None:
+            raise ValueError("result= was computed for another prompt than this dashboard's")
+        key = dashboard_settings(res.settings, res.n_prompt)
+        self.cache.put(self.prompt_ids[prompt], key, res)
+        self._base = key.replace(offload=None, ubatch=self._base.ubatch, kernels=self._base.kernels)
+        with self._hold():
+            self.w_prompt.value, self.w_offload.value, self.w_ubatch.value = prompt, key.offload, key.ubatch
+            if key.kernels not in self.w_kernels.options:
+                self.w_kernels.options = list(self.w_kernels.options) + [key.kernels]
+            self.w_kernels.value = key.kernels
+            self.w_seq.options = list(range(key.n_seqs))
+        self._add_cell(prompt, key, res)
+
+    def _seed_sweep(self, sweep: dict):
+        prompt = self.w_prompt.value
+        P = len(self.prompt_ids[prompt])
+        for cell in sweep["cells"]:
+            if cell.get("n_seqs", self._base.n_seqs) == self._base.n_seqs:
+                ub = min(cell["ubatch"], P)
+                self._sweep_cells[(sweep["kernels"], prompt, cell["offload"], ub)] = dict(cell, ubatch=ub)
+        self._rebuild_sweep()
+
+    # -- public API ------------------------------------------------------------------------------------
+    def set(self, **values):
+        """Set widget values (offload, ubatch, kernels, prompt, token, site, metric, seq, layer) and update
+        once: `dash.set(offload=6, ubatch=8)` runs one comparison, not two."""
+        widgets = self.controls.value_widgets()
+        unknown = set(values) - set(widgets)
+        if unknown:
+            raise TypeError(f"unknown dashboard control(s) {sorted(unknown)}; known: {sorted(widgets)}")
+        with self._hold():
+            for name, value in values.items():
+                w = widgets[name]
+                if name == "kernels" and value not in w.options:
+                    w.options = list(w.options) + [value]
+                w.value = value
+        self._update()
+        return self
+
+    def refresh(self):
+        """Apply the current widget values (runs the comparison if it is not cached; a configuration that
+        failed before is tried again)."""
+        self._failed.clear()
+        self._update(force=self.state is None)
+        return self
+
+    def goto_first_divergence(self):
+        """Point token, layer, sequence and site at the current run's first divergence."""
+        self._goto_first()
+
+    def run_sweep_matrix(self, offloads: Optional[Sequence[int]] = None, ubatches: Optional[Sequence[int]] = None):
+        """Fill the offload x ubatch matrix for the current kernels and prompt (metrics only, shared reference)."""
+        self._run_sweep(offloads, ubatches)
+        return self.sweep
+
+    def jump_to(self, offload: int, ubatch: int):
+        """What a click on a sweep cell does: show that configuration (from the cache when it was seen)."""
+        return self.set(offload=int(offload), ubatch=int(ubatch))
+
+    def clear_errors(self):
+        self.w_error.value = ""
+        self.w_error.layout.display = "none"
+
+    @property
+    def error_text(self) -> str:
+        """The error area as plain text ('' when empty)."""
+        return html.unescape(re.sub(r"<[^>]+>", " ", self.w_error.value)).strip()
+
+    def _ipython_display_(self):
+        from IPython.display import display  # noqa: PLC0415
+        display(self.widget)
+
+    # -- internals: state ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _hold(self):
+        """Change widgets without each change triggering an update."""
+        was, self._holding = self._holding, True
+        try:
+            yield
+        finally:
+            self._holding = was
+
+    def _read_state(self) -> DashState:
+        run = self._base.replace(offload=self.w_offload.value, ubatch=self.w_ubatch.value,
+                                 kernels=self.w_kernels.value)
+        fields = {f: w.value for f, w in self.controls.field_widgets.items()}
+        fields["seq"] = fields["seq"] or 0
+        return DashState(self.w_prompt.value, run, ViewState(**fields))
+
+    def _ids(self, st: DashState) -> list:
+        return self.prompt_ids[st.prompt]
+
+    # -- internals: callbacks --------------------------------------------------------------------------
+    def _on_widget(self, change):
+        if not self._holding:
+            self._update()
+
+    @_guarded
+    def _update(self, force: bool = False):
+        """The one update path: diff the widgets' state with what is on screen and do the least work."""
+        new = self._read_state()
+        old = self.state
+        t0 = time.perf_counter()
+        if force or old is None or (new.prompt, new.run) != (old.prompt, old.run) or self.result is None:
+            res, source, run_ms = self._get_result(new)
+            if res is None:
+                return
+            self.result = res
+            new = self._fit_view(res)
+            self.state = new
+            self._add_cell(new.prompt, new.run, res)
+            self._redraw(set(self.views), new)
+            self._set_timings(t0, source, run_ms, "all")
+        elif new.view != old.view:
+            changed = {f for f in FIELDS if getattr(new.view, f) != getattr(old.view, f)}
+            views = {v.name for v in registry.depending_on(changed)}
+            self.state = new
+            self._redraw(views, new)
+            self._set_timings(t0, "view", 0.0, ",".join(sorted(views)))
+        self.clear_errors()       # this action succeeded: the area shows errors of the latest action only
+
+    def _get_result(self, st: DashState):
+        ids = self._ids(st)
+        res = self.cache.get(ids, st.run)
+        if res is not None:
+            return res, "cache", 0.0
+        key = self.cache.key(ids, st.run)
+        if key in self._failed:
+            raise self._failed[key]
+        t = time.perf_counter()
+        try:
+            res = self.cache.compute(self.model, ids, st.run, progress=self._progress(st))
+        except Exception as exc:
+            self._failed[key] = exc
+            raise
+        return res, "run", (time.perf_counter() - t) * 1e3
+
+    def _progress(self, st: DashState):
+        bar = self.w_progress
+        bar.layout.visibility = "visible"
+        bar.value, bar.bar_style = 0, "info"
+        self.w_status.value = f"<b>running</b> {html.escape(st.label())} ..."
+
+        def update(done, total):
+            bar.max = total
+            bar.value = done
+            bar.description = f"{done}/{total} ub"
+            if done >= total:
+                bar.layout.visibility = "hidden"
+        return update
+
+    def _fit_view(self, res: CompareResult) -> DashState:
+        """Fit the view controls to a (new) result: token range, sequences; first time: the first divergence."""
+        n_tok = res.tokens.shape[1]
+        first_time = self.state is None
+        with self._hold():
+            self.w_token.max = n_tok - 1
+            if self.w_token.value > n_tok - 1:
+                self.w_token.value = n_tok - 1
+            if list(self.w_seq.options) != list(range(res.settings.n_seqs)):
+                self.w_seq.options = list(range(res.settings.n_seqs))
+                self.w_seq.value = 0
+            fd = res.first_divergence
+            if first_time:
+                self.w_token.value = fd["token"] if fd else n_tok - 1
+                if fd and fd["layer"] is not None:
+                    self.w_layer.value = fd["layer"]
+        return self._read_state()
+
+    @_guarded
+    def _goto_first(self):
+        fd = self.result.first_divergence if self.result is not None else None
+        if fd is None:
+            self.w_status.value += " <i>(nothing diverged: no first divergence to go to)</i>"
+            return
+        values = {"token": fd["token"], "seq": fd["seq"], "site": fd["site"]}
+        if fd["layer"] is not None:
+            values["layer"] = fd["layer"]
+        self.set(**values)
+
+    @_guarded
+    def _on_jump(self, change):
+        if change["new"] is None or self._holding:
+            return
+        offload, ubatch = change["new"]
+        with self._hold():
+            self.w_jump.value = None
+        self.jump_to(offload, ubatch)
+
+    def _on_sweep_click(self, event):
+        try:
+            if event.inaxes is None or not self.sweep["cells"]:
+                return
+            j, i = int(round(event.xdata)), int(round(event.ydata))
+            if 0 <= i < len(self.sweep["offloads"]) and 0 <= j < len(self.sweep["ubatches"]):
+                self.jump_to(self.sweep["offloads"][i], self.sweep["ubatches"][j])
+        except Exception as exc:  # noqa: BLE001
+            self._report_error("sweep click", exc)
+
+    @_guarded
+    def _run_sweep(self, offloads=None, ubatches=None):
+        """Metrics-only runs over the grid, one run_sweep per ubatch (the reference is shared per ubatch)."""
+        st = self.state or self._read_state()
+        offloads = list(offloads) if offloads is not None else self.sweep_offloads
+        ubatches = list(ubatches) if ubatches is not None else self.sweep_ubatches
+        ids = self._ids(st)
+        ubatches = [u for u in ubatches if 1 <= u <= len(ids)] or [len(ids)]
+        base = st.run.replace(capture="metrics")
+        bar = self.w_progress
+        bar.layout.visibility, bar.max, bar.value, bar.bar_style = "visible", len(ubatches), 0, "warning"
+        t0 = time.perf_counter()
+        try:
+            for n, u in enumerate(ubatches):
+                bar.description = f"sweep {n}/{len(ubatches)}"
+                self.w_status.value = f"<b>sweep</b> ubatch {u}: offloads {offloads} ..."
+                sw = run_sweep(self.model, ids, base, offloads=offloads, ubatches=[u], n_seqs_list=[st.run.n_seqs],
+                               progress=False)
+                for cell in sw["cells"]:
+                    self._sweep_cells[(st.run.kernels, st.prompt, cell["offload"], cell["ubatch"])] = cell
+                bar.value = n + 1
+        finally:
+            bar.layout.visibility = "hidden"
+            self.w_status.value = self._status_html()
+        self._rebuild_sweep()
+        self._redraw({"sweep"}, self.state or st)
+        self.timings["sweep_ms"] = (time.perf_counter() - t0) * 1e3
+
+    def _add_cell(self, prompt: int, run: RunSettings, res: CompareResult):
+        self._sweep_cells[(run.kernels, prompt, run.offload, run.ubatch)] = dict(sweep_cell(res), ubatch=run.ubatch)
+        self._rebuild_sweep(prompt, run)
+
+    def _rebuild_sweep(self, prompt: Optional[int] = None, run: Optional[RunSettings] = None):
+        """The matrix for the current kernels and prompt: sweep cells plus every full run seen so far."""
+        if run is None:
+            st = self.state or self._read_state()
+            prompt, run = st.prompt, st.run
+        cells = [c for (k, p, _o, _u), c in self._sweep_cells.items() if k == run.kernels and p == prompt]
+        self.sweep = {"offloads": sorted({c["offload"] for c in cells}), "ubatches": sorted({c["ubatch"] for c in cells}),
+                      "cells": cells, "kernels": run.kernels}
+        opts = [("jump to a configuration...", None)]
+        for c in sorted(cells, key=lambda c: (c["offload"], c["ubatch"])):
+            fd = c["first_divergence"]
+            what = "ok" if fd is None else f"diverges t{fd['token']} L{'head' if fd['layer'] is None else fd['layer']}"
+            seen = " (cached)" if self.cache.has(self.prompt_ids[prompt], run.replace(
+                offload=c["offload"], ubatch=c["ubatch"])) else ""
+            opts.append((f"offload {c['offload']}, ubatch {c['ubatch']}: {what}{seen}", (c["offload"], c["ubatch"])))
+        with self._hold():
+            self.w_jump.options = opts
+            self.w_jump.value = None
+
+    # -- internals: drawing ----------------------------------------------------------------------------
+    def _redraw(self, names: set, st: DashState):
+        """Draw the views (a PNG already rendered for this run and view state is shown again as it is)."""
+        res, v = self.result, st.view
+        for view in registry.VIEWS:
+            if view.name not in names:
+                continue
+            if view.kind == "figure":
+                key = (view.name, st.prompt, st.run, tuple(getattr(v, f) for f in sorted(view.depends)))
+                hit = self._pngs.get(key)
+                if hit is None:
+                    fig = self._figs[view.name]
+                    data = self.views[view.name].draw(fig, res, v)
+                    hit = (fig_png(fig, self.dpi), data)
+                    self._remember(key, hit)
+                png, self.view_data[view.name] = hit
+                self._show(view.name, png)
+            elif view.kind == "html":
+                self.controls.html[view.name].value = self.views[view.name].html(res, v, self.model.decode)
+            elif view.kind == "sweep":
+                self._redraw_sweep(view, (st.run.offload, st.run.ubatch))
+        self.w_status.value = self._status_html()
+
+    def _redraw_sweep(self, view, current: tuple):
+        fig = self._figs[view.name]
+        if self._sweep_canvas is not None:
+            self.views[view.name].draw(fig, self.sweep, None, current)
+            self._sweep_canvas.draw_idle()
+            if not getattr(self, "_click_cid", None):
+                self._click_cid = fig.canvas.mpl_connect("button_press_event", self._on_sweep_click)
+            return
+        cells = tuple(sorted((c["offload"], c["ubatch"], c["first_token"], c["first_layer"])
+                             for c in self.sweep["cells"]))
+        key = (view.name, self.sweep.get("kernels"), cells, current)
+        hit = self._pngs.get(key)
+        if hit is None:
+            self.views[view.name].draw(fig, self.sweep, None, current)
+            hit = (fig_png(fig, self.dpi), None)
+            self._remember(key, hit)
+        self._show(view.name, hit[0])
+
+    def _remember(self, key, value):
+        self._pngs[key] = value
+        while len(self._pngs) > PNG_CACHE_SIZE:
+            self._pngs.popitem(last=False)
+
+    def _show(self, name: str, png: bytes):
+        if self.images.get(name) is png:
+            return                    # already on screen
+        self.images[name] = png
+        self.controls.show_png(name, png)
+
+    def _status_html(self) -> str:
+        return status_html(self.result, verdict(self.result) if self.result is not None else "")
+
+    def _set_timings(self, t0: float, source: str, run_ms: float, views: str):
+        total = (time.perf_counter() - t0) * 1e3
+        self.timings.update({"update_ms": total, "run_ms": run_ms, "redraw_ms": total - run_ms,
+                             "source": source, "views": views})
+        if source == "run":
+            self.timings["last_run_ms"] = run_ms
+        self.w_timing.value = timing_html(source, run_ms, total, views, len(self.cache))
+
+    def _report_error(self, where: str, exc: BaseException):
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.errors.append({"where": where, "type": type(exc).__name__, "message": str(exc), "traceback": tb})
+        self.w_progress.layout.visibility = "hidden"
+        self.w_error.value = error_html(where, exc, tb)
+        self.w_error.layout.display = ""
+        if self.result is not None:
+            self.w_status.value = self._status_html() + (
+                "<div style='font-size:11px;color:#c00'>the views still show the last good run</div>")
+        else:
+            self.w_status.value = "<i>no run yet</i>"

@@ -1,0 +1,79 @@
+"""The dashboard's state: what is on screen (`DashState`) and the runs it has seen (`RunCache`).
+
+A run is a prompt and a `RunSettings` (frozen, hashable: the settings object is the cache key); a view state is
+what is looked at inside that run (`views.base.ViewState`). The dashboard diffs the state it reads from its widgets
+with the one on screen: a new run key runs (or fetches) a comparison, a new view state redraws what depends on it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from ..compare import run_compare
+from ..settings import RunSettings
+from ..views.base import ViewState
+
+# What every dashboard run captures. A result computed elsewhere with more (local errors, repeats, another capture
+# policy) still serves its configuration: `dashboard_settings` maps its settings onto the dashboard's key.
+DASHBOARD_RUN = dict(capture="all", capture_layers=None, capture_sites=None, local=False, repeat=1)
+
+
+@dataclass(frozen=True)
+class DashState:
+    prompt: int               # index into the dashboard's prompts
+    run: RunSettings          # what the comparison runs with (with the prompt: the cache key)
+    view: ViewState           # what is looked at in it
+
+    def label(self) -> str:
+        s = self.run
+        return f"offload {s.offload}, ubatch {s.ubatch}, kernels {s.kernels}"
+
+
+def dashboard_settings(settings: RunSettings, n_prompt: int) -> RunSettings:
+    """The dashboard's key for a run with these settings: every ubatch >= the prompt is one schedule (one ubatch),
+    and the capture knobs are the dashboard's own."""
+    return settings.replace(ubatch=min(settings.ubatch, n_prompt), **DASHBOARD_RUN)
+
+
+class RunCache:
+    """One CompareResult per (prompt ids, RunSettings), least recently used dropped past `max_runs`; plus the
+    reference side shared by runs that differ only in offload/kernels (run_compare's ref_cache)."""
+
+    def __init__(self, max_runs: int = 32):
+        self.max_runs = max_runs
+        self.runs: OrderedDict = OrderedDict()
+        self.ref: dict = {}
+
+    @staticmethod
+    def key(prompt_ids, settings: RunSettings) -> tuple:
+        return tuple(int(t) for t in prompt_ids), settings
+
+    def get(self, prompt_ids, settings: RunSettings):
+        key = self.key(prompt_ids, settings)
+        res = self.runs.get(key)
+        if res is not None:
+            self.runs.move_to_end(key)
+        return res
+
+    def put(self, prompt_ids, settings: RunSettings, res):
+        key = self.key(prompt_ids, settings)
+        self.runs[key] = res
+        self.runs.move_to_end(key)
+        while len(self.runs) > self.max_runs:
+            self.runs.popitem(last=False)
+
+    def compute(self, model, prompt_ids, settings: RunSettings, progress=None):
+        res = run_compare(model, list(prompt_ids), settings, progress=progress, ref_cache=self.ref)
+        self.put(prompt_ids, settings, res)
+        return res
+
+    def has(self, prompt_ids, settings: Optional[RunSettings]) -> bool:
+        return self.key(prompt_ids, settings) in self.runs
+
+    def __contains__(self, key) -> bool:
+        """`(prompt_ids, settings) in cache`."""
+        return self.key(*key) in self.runs
+
+    def __len__(self) -> int:
+        return len(self.runs)

@@ -1,0 +1,60 @@
+"""A self-contained HTML report: the summary, every view of the registry that is `in_report` (figures embedded as
+PNG, HTML views inline) and the first divergence as JSON."""
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from ..trace import CompareResult
+from .base import fig_png, new_figure
+from .registry import VIEWS
+from .summary import summary, to_json
+
+STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:auto} pre{background:#f4f4f4;padding:8px;"
+         "white-space:pre-wrap} td{border-top:1px solid #ccc;padding:4px;vertical-align:top}")
+
+
+def figures(res: CompareResult) -> list[tuple[str, str]]:
+    """(caption, base64 PNG) of every figure view the report shows, in screen order."""
+    return [(caption, _png(view, res, state)) for view in VIEWS if view.in_report and view.kind == "figure"
+            for caption, state in view.report_states(res)]
+
+
+def _png(view, res: CompareResult, state) -> str:
+    fig = new_figure(view.figsize)
+    view.draw(fig, res, state)
+    return base64.b64encode(fig_png(fig, dpi=90, tight=True)).decode()
+
+
+def sections(res: CompareResult) -> list[str]:
+    """The report's body, one HTML fragment per view drawing, in screen order."""
+    out = []
+    for view in VIEWS:
+        if not view.in_report:
+            continue
+        if view.kind == "html":
+            for caption, state in view.report_states(res):
+                out.append(f"<h2>{html.escape(caption)}</h2>{view.html(res, state)}")
+            continue
+        if view.kind == "figure":
+            out += [f"<h2>{html.escape(caption)}</h2><img src='data:image/png;base64,{_png(view, res, state)}'>"
+                    for caption, state in view.report_states(res)]
+    return out
+
+
+def write_report(res: CompareResult, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = to_json(res)
+    body = "\n".join(sections(res))
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>mamba-debug report</title>
+<style>{STYLE}</style></head><body>
+<h1>mamba-debug: {'DIVERGED' if res.first_divergence else 'no divergence'}</h1>
+<pre>{html.escape(summary(res))}</pre>
+{body}
+<h2>First divergence (JSON)</h2><pre>{html.escape(json.dumps(data['first_divergence'], indent=1))}</pre>
+</body></html>"""
+    path.write_text(page)
+    return path
