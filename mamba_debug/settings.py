@@ -118,10 +118,10 @@ class RunSettings:
                 raise MambaDebugError(f"capture layer {layer} out of range 0..{cfg.n_layer - 1}")
         if self.engine not in ENGINES:
             raise MambaDebugError(f"unknown engine {self.engine!r}: choose one of {ENGINES}")
-        if self.engine == "llama.cpp" and self.ubatch < self.n_seqs:
-            raise MambaDebugError(f"--engine llama.cpp with --ubatch {self.ubatch} < --n-seqs {self.n_seqs}: llama.cpp "
-                                  f"then splits the sequences over several ubatches, which mamba-debug does not "
-                                  f"schedule yet; use --ubatch >= --n-seqs")
+        if self.engine == "llama.cpp" and self.ubatch + 1 < self.n_seqs:
+            raise MambaDebugError(f"--engine llama.cpp with --ubatch {self.ubatch} and --n-seqs {self.n_seqs}: llama.cpp "
+                                  f"then puts only {self.ubatch + 1} of the sequences in a ubatch, a schedule "
+                                  f"mamba-debug does not run yet; use --ubatch >= {self.n_seqs - 1}")
         if self.repeat < 1:
             raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
         if self.k_floor <= 1:

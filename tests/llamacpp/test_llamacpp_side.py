@@ -50,8 +50,8 @@ def compare(subject, ubatch, n_seqs, fault=None, **kw):
         lside.FAULT = None
 
 
-@pytest.mark.parametrize("ubatch, n_seqs", [(1, 1), (2, 1), (3, 1), (8, 1), (512, 1), (2, 2), (3, 2), (8, 3),
-                                            (512, 3)])
+@pytest.mark.parametrize("ubatch, n_seqs", [(1, 1), (2, 1), (3, 1), (8, 1), (512, 1), (1, 2), (3, 2), (2, 3),
+                                            (8, 3), (512, 3)])
 def test_agrees_with_the_reference(subject, ubatch, n_seqs):
     res = compare(subject, ubatch, n_seqs)
     assert res.first_divergence is None, res.first_divergence
@@ -75,7 +75,7 @@ def _fault(layer, site, ubatch, n_seqs, seq, token=None, T=None, delta=0.05, whe
     def hook(node, a, u):
         if node.layer != layer or node.site != site or u != ubatch or (when and not when(node)):
             return
-        if site in ("ssm_state", "conv_state"):
+        if site in ("ssm_state", "conv_state", "GET_ROWS"):
             logical = seq * (a.size // n_seqs) + 3
         else:
             X = D_INNER if site == "y_scan" else a.size // (n_seqs * T)
@@ -101,7 +101,9 @@ def _run_fault(subject, ubatch, n_seqs, layer, site, u, seq, token):
     (6, 2, 5, "B", 0, 0, 2),                 # a strided view (B is a view of the x_proj output)
     (3, 1, 7, "RMS_NORM", 2, 0, 2),          # a norm
     (4, 1, 4, "ssm_state", 1, 0, None),      # a state written at a ubatch end
-], ids=["early-conv", "late-SSM_CONV", "second-seq-y_scan", "strided-B", "norm", "state-at-ubatch-end"])
+    (6, 2, 6, "GET_ROWS", 1, 1, 0),          # the second sequence's conv state read from the cache at a ubatch start
+], ids=["early-conv", "late-SSM_CONV", "second-seq-y_scan", "strided-B", "norm", "state-at-ubatch-end",
+        "state-read-second-seq"])
 def test_fault_is_localized(subject, case):
     ub, S, layer, site, u, seq, tok = case
     res = _run_fault(subject, ub, S, layer, site, u, seq, tok)
@@ -119,6 +121,11 @@ def test_fault_that_cannot_trigger_at_this_ubatch_stays_clean(subject):
     assert res.first_divergence is None
     res = compare(subject, 8, 1, fault=hook)
     assert res.first_divergence is not None and res.first_divergence["layer"] == 2
+
+
+def test_a_schedule_llamacpp_would_split_otherwise_is_refused(subject):
+    with pytest.raises(MambaDebugError, match="only 2 of the sequences"):
+        compare(subject, 1, 3)
 
 
 def test_foreign_library_is_refused(tmp_path):

@@ -48,7 +48,7 @@ NODE_MAP = {
 # Sites of a layer in llama.cpp's graph order, as the map yields them for a Mamba-1 block (op-named nodes only where
 # the reference can say what they should hold: see reference.py). DESIGN.md's `gate` (silu(z) alone) does not exist
 # in llama.cpp: SWIGLU fuses it into y_gated, so it is not observed.
-LAYER_SITES = ("RMS_NORM", "norm", "xz", "conv_state", "SSM_CONV", "conv", "conv_act", "MUL_MAT#2", "CONT",
+LAYER_SITES = ("GET_ROWS", "RMS_NORM", "norm", "xz", "CONCAT", "conv_state", "SSM_CONV", "conv", "conv_act", "MUL_MAT#2", "CONT",
                "MUL_MAT#3", "dt", "B", "C", "y_scan", "ssm_state", "CONT#2", "MUL#2", "y_skip", "y_gated", "out",
                "resid")
 HEAD_SITES = ("final_norm", "logits")

@@ -118,6 +118,7 @@ class LlamaCppSide:
             self._context(n_seqs, 4096)
         self.lib.llama_memory_clear(self.mem, True)
         self.n_seqs, self.u, self.pos = n_seqs, -1, [0] * n_seqs
+        self._prev_conv = {}
 
     def observed_sites(self) -> frozenset:
         return frozenset([(i, s) for i in range(self.cfg.n_layer) for s in LAYER_SITES] +
@@ -146,7 +147,8 @@ class LlamaCppSide:
 
     def reference_sites(self, sites: dict, tokens: torch.Tensor) -> dict:
         """What this side's op-named nodes should hold, from a reference side's sites of the same ubatch."""
-        return derived_sites(sites, tokens, self.model.params, self.cfg)
+        prev = self._prev_conv.setdefault(sites[(None, "logits")][0].dtype, {})   # one per reference side
+        return derived_sites(sites, tokens, self.model.params, self.cfg, prev)
 
     def save_state(self) -> object:
         out = []
@@ -243,9 +245,15 @@ class LlamaCppSide:
                 v = a.reshape(S, c.d_inner, c.d_conv - 1).transpose(0, 2, 1)
             elif site == "ssm_state":
                 v = a.reshape(S, c.d_inner, c.d_state)
+            elif site == "GET_ROWS":            # the prior conv state of each sequence, at every token
+                v = a.reshape(S, 1, c.d_inner, c.d_conv - 1).transpose(0, 1, 3, 2).reshape(S, 1, -1)
+                v = np.broadcast_to(v, (S, T, v.shape[-1]))
+            elif site == "CONCAT":              # at token t: the K rows of the window the conv reads for t
+                w = np.lib.stride_tricks.sliding_window_view(a.reshape(S, c.d_inner, -1), c.d_conv, axis=-1)
+                v = w.transpose(0, 2, 3, 1).reshape(S, T, -1)
             else:
                 v = a.reshape(S, T, -1)
-            out[(layer, site)] = (torch.from_numpy(np.ascontiguousarray(v)), site not in ("conv_state", "ssm_state"))
+            out[(layer, site)] = (torch.from_numpy(np.array(v)), site not in ("conv_state", "ssm_state"))
         out[(None, "logits")] = (logits, True)
         return out
 
