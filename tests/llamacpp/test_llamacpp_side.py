@@ -59,7 +59,8 @@ def test_agrees_with_the_reference(subject, ubatch, n_seqs):
     c = j["config"]
     assert c["engine"] == "llama.cpp" and c["ubatch_per_seq"] == max(1, ubatch // n_seqs)
     assert c["llama_cpp"]["library"].endswith("libllama.so") and c["llama_cpp"]["version"]
-    assert {n["backend"] for n in c["llama_cpp"]["nodes"]} == {"CPU"}
+    assert {(n["backend"], n["path"]) for n in c["llama_cpp"]["nodes"]} == {("CPU", "fp32")}
+    assert c["llama_cpp"]["observer_effect"]["logits_bitwise_identical"]
     row = j["per_layer"][5]["sites"]
     assert row["gate"]["max_rel_l2"] in (None, "nan")          # SWIGLU fuses silu(z) into y_gated: not observed
     for site in ("norm", "RMS_NORM", "SSM_CONV", "MUL_MAT#2", "B", "y_scan", "ssm_state", "conv_state", "resid"):

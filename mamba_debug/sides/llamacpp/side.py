@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -45,13 +46,15 @@ def gguf_for(model, cache_dir: Optional[Path] = None) -> Path:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         export_gguf(model, path.with_suffix(".part"), dtype="f32").rename(path)
-        print(f"llama.cpp {src or 'the in-memory model'} exported to {path} (f32) for llama.cpp", file=sys.stderr)
+        print(f"mamba-debug: {src or 'the in-memory model'} exported to {path} (f32 GGUF) for llama.cpp",
+              file=sys.stderr)
     return path
 
 
 class LlamaCppSide:
     def __init__(self, model, s: RunSettings):
         self.model, self.cfg, self.s = model, model.config, s
+        self.fp32 = _fp32_everywhere(s)
         self.lib = load_library(s.llama_lib, s.device)
         self.gguf = gguf_for(model)
         self.tracing, self.u, self.error = True, -1, None
@@ -81,8 +84,10 @@ class LlamaCppSide:
         self.info = SideInfo("device", self._label(), None, self.s.device, "llama.cpp",
                              extra={"library": str(self.lib.path), "version": self.lib.version,
                                     "commit": self.lib.commit, "devices": [list(d) for d in self.lib.devices],
-                                    "gguf": str(self.gguf), "op_offload": self.s.op_offload,
-                                    "n_gpu_layers": mp.n_gpu_layers, "n_threads": self._threads(), "nodes": []})
+                                    "gguf": str(self.gguf),
+                                    "op_offload": self.s.op_offload and not self.s.fp32_everywhere,
+                                    "n_gpu_layers": mp.n_gpu_layers, "n_threads": self._threads(),
+                                    "fp32_everywhere": self.fp32, "nodes": []})
 
     def _label(self) -> str:
         return (f"llama.cpp {self.s.device.upper()} build {self.lib.path} ({self.lib.version}), "
@@ -101,7 +106,7 @@ class LlamaCppSide:
         cp.n_ubatch = self.s.ubatch
         cp.n_seq_max = n_seqs
         cp.n_threads = cp.n_threads_batch = self._threads()
-        cp.op_offload = self.s.op_offload
+        cp.op_offload = self.s.op_offload and not self.s.fp32_everywhere
         cp.no_perf = True
         self._cb = EvalCallback(self._eval)
         _KEEP.append(self._cb)
@@ -118,7 +123,7 @@ class LlamaCppSide:
             self._context(n_seqs, 4096)
         self.lib.llama_memory_clear(self.mem, True)
         self.n_seqs, self.u, self.pos = n_seqs, -1, [0] * n_seqs
-        self._prev_conv = {}
+        self._prev_conv, self._history = {}, []
 
     def observed_sites(self) -> frozenset:
         return frozenset([(i, s) for i in range(self.cfg.n_layer) for s in LAYER_SITES] +
@@ -132,6 +137,7 @@ class LlamaCppSide:
 
     def step(self, tokens: torch.Tensor) -> StepOutput:
         self.u += 1
+        t0 = time.perf_counter()
         logits, graphs = self._decode(tokens, trace=True)
         if len(graphs) != 1:
             raise MambaDebugError(f"llama.cpp split the ubatch of {tokens.shape[0]} x {tokens.shape[1]} tokens into "
@@ -141,14 +147,34 @@ class LlamaCppSide:
         self._check_schedule(g, tokens)
         if self.u == 0:
             self.info.extra["nodes"] = [{"index": n.index, "layer": n.layer, "site": n.site, "op": n.op,
-                                         "name": n.name, "backend": n.backend, "ne": list(n.ne)}
+                                         "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
                                         for n in g["map"].nodes.values() if n.site]
+        self._history.append((tokens, logits, time.perf_counter() - t0))
         return StepOutput(logits, self._sites(g, tokens.shape[0], tokens.shape[1], logits))
 
     def reference_sites(self, sites: dict, tokens: torch.Tensor) -> dict:
         """What this side's op-named nodes should hold, from a reference side's sites of the same ubatch."""
         prev = self._prev_conv.setdefault(sites[(None, "logits")][0].dtype, {})   # one per reference side
         return derived_sites(sites, tokens, self.model.params, self.cfg, prev)
+
+    def observer_effect(self) -> dict:
+        """The whole schedule again from empty states with nothing observed (the callback answers no to every ask):
+        its logits against the traced run's, bitwise, and the time of both. Leaves the states at the schedule's end."""
+        self.lib.llama_memory_clear(self.mem, True)
+        self.pos = [0] * self.n_seqs
+        first, worst, untraced = None, 0.0, 0.0
+        for u, (tokens, logits, _) in enumerate(self._history):
+            t0 = time.perf_counter()
+            plain = self._decode(tokens, trace=False)[0]
+            untraced += time.perf_counter() - t0
+            if not torch.equal(plain, logits):
+                first = u if first is None else first
+                worst = max(worst, float((plain - logits).abs().max()))
+        out = {"logits_bitwise_identical": first is None, "first_different_ubatch": first, "max_abs_diff": worst,
+               "traced_s": round(sum(h[2] for h in self._history), 4), "untraced_s": round(untraced, 4),
+               "untraced_means": "the eval callback answers no to every ask"}
+        self.info.extra["observer_effect"] = out
+        return out
 
     def save_state(self) -> object:
         out = []
@@ -256,6 +282,31 @@ class LlamaCppSide:
             out[(layer, site)] = (torch.from_numpy(np.array(v)), site not in ("conv_state", "ssm_state"))
         out[(None, "logits")] = (logits, True)
         return out
+
+
+def _fp32_everywhere(s: RunSettings) -> dict:
+    """--fp32-everywhere: every switch that keeps float32 work in FP32, set before the library loads; and what has no
+    switch. On a CPU build every f32 node already runs in FP32."""
+    if not s.fp32_everywhere:
+        return {"asked": False}
+    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"            # cuBLAS: FP32 instead of TF32 (read when CUDA starts)
+    return {"asked": True, "set": ["NVIDIA_TF32_OVERRIDE=0", "op_offload=false"],
+            "not_switchable": ["CUDA mmf tile kernel (f32 matmuls of 4..16 columns): TF32 MMA in inline PTX, no switch"
+                               "; keep -ub per sequence <= 3 to avoid it"]}
+
+
+def path_of(node) -> str:
+    """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32."""
+    if not node.backend.startswith("CUDA") or node.backend == "CUDA_Host":
+        return "fp32"
+    if node.op != "MUL_MAT":
+        return "fp32"
+    cols = node.ne[1]
+    if cols <= 3:
+        return "fp32 (mmvf)"
+    if cols <= 16 and node.ne[0] % 32 == 0:
+        return "tf32 (mmf, no switch)"
+    return "tf32 (cuBLAS; NVIDIA_TF32_OVERRIDE=0 makes it fp32)"
 
 
 def _short(a) -> str:
