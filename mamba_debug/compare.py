@@ -70,6 +70,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
         _Loop(model, s, sides).run(tokens, res, progress)
         if hasattr(sides["device"], "observer_effect"):      # an engine traced from outside: does tracing change it?
             sides["device"].observer_effect()
+            sides["device"].close()
     res.timings["compare_s"] = time.perf_counter() - t0
     res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
     res.first_divergence = find_first_divergence(res)

@@ -122,6 +122,9 @@ class RunSettings:
             raise MambaDebugError(f"--engine llama.cpp with --ubatch {self.ubatch} and --n-seqs {self.n_seqs}: llama.cpp "
                                   f"then puts only {self.ubatch + 1} of the sequences in a ubatch, a schedule "
                                   f"mamba-debug does not run yet; use --ubatch >= {self.n_seqs - 1}")
+        if self.engine == "llama.cpp" and self.repeat > 1:
+            raise MambaDebugError("--repeat runs the torch device side again; with --engine llama.cpp it is not "
+                                  "available yet (the side reports its observer effect instead)")
         if self.repeat < 1:
             raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
         if self.k_floor <= 1:

@@ -161,3 +161,13 @@ def test_command_line_end_to_end(subject, tmp_path):
     j = json.loads(out.read_text())
     assert j["first_divergence"] is None and j["config"]["engine"] == "llama.cpp"
     assert j["config"]["ubatch"] == 3 and j["config"]["ubatch_per_seq"] == 1
+
+
+def test_local_error_per_node_finds_where_an_error_is_born(subject):
+    """--local: each node's op recomputed in float64 from the inputs it read. Clean: every node within the fp32
+    floor; a fault written into SSM_CONV's output: that node is the first one past it, nothing before."""
+    loc = compare(subject, 4, 2, local=True).sides["device"].extra["local"]
+    assert loc["first_over"] is None and len(loc["max_per_node"]) > 100
+    res = compare(subject, 4, 2, fault=_fault(3, "SSM_CONV", 1, 2, 1, 0, T=2), local=True)
+    first = res.sides["device"].extra["local"]["first_over"]
+    assert (first["ubatch"], first["layer"], first["site"]) == (1, 3, "SSM_CONV"), first

@@ -82,8 +82,10 @@ class Node:
 def read_node(lib, addr: int, index: int) -> Node:
     t = GgmlTensor.from_address(addr)
     buf = lib.ggml_backend_buffer_name(t.buffer).decode() if t.buffer else "?"
-    return Node(index, addr, t.name.decode(errors="replace"), (lib.ggml_op_desc(addr) or b"?").decode(),
+    node = Node(index, addr, t.name.decode(errors="replace"), (lib.ggml_op_desc(addr) or b"?").decode(),
                 tuple(t.ne), tuple(t.nb), t.type, [s for s in t.src if s], t.view_src or 0, t.view_offs, buf)
+    node.extra["op_params"] = tuple(t.op_params[:4])
+    return node
 
 
 def read_data(lib, node: Node) -> np.ndarray:

@@ -23,7 +23,9 @@ from ...trace import SideInfo
 from ..base import StepOutput
 from .lib import EvalCallback, GgmlTensor, LogCallback, load_library
 from .reference import derived_sites
-from .nodes import HEAD_SITES, LAYER_SITES, GraphMap, host_array, read_data, read_node
+from .local import OPS as LOCAL_OPS
+from .local import LocalErrors
+from .nodes import DTYPES, HEAD_SITES, LAYER_SITES, GraphMap, host_array, read_data, read_node
 
 # Tests inject faults here: fn(node, array, ubatch_index) is called in the observe call of every mapped node,
 # before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes consume it.
@@ -59,6 +61,8 @@ class LlamaCppSide:
         self.gguf = gguf_for(model)
         self.tracing, self.u, self.error = True, -1, None
         self.n_seqs = None
+        self.local = LocalErrors(s.k_floor) if s.local else None
+        self._weights = {}
         self._observed = self.observed_sites()
         self._load()
 
@@ -174,7 +178,18 @@ class LlamaCppSide:
                "traced_s": round(sum(h[2] for h in self._history), 4), "untraced_s": round(untraced, 4),
                "untraced_means": "the eval callback answers no to every ask"}
         self.info.extra["observer_effect"] = out
+        if self.local is not None:
+            self.info.extra["local"] = self.local.to_dict()
         return out
+
+    def close(self):
+        """Free the context and the model (a sweep builds one side per cell)."""
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.lmodel:
+            self.lib.llama_model_free(self.lmodel)
+            self.lmodel = None
 
     def save_state(self) -> object:
         out = []
@@ -243,14 +258,40 @@ class LlamaCppSide:
                 g["tokens"] = read_data(self.lib, src).reshape(-1).copy()
             if node.op == "SSM_CONV":
                 g["shape"] = (node.ne[1], node.ne[2])
+            data = None
             if node.site and (node.layer, node.site) in self._observed:
                 if FAULT is not None:
                     FAULT(node, host_array(node), self.u)
-                g["data"][(node.layer, node.site)] = read_data(self.lib, node)
+                data = g["data"][(node.layer, node.site)] = read_data(self.lib, node)
+            if self.local is not None:
+                self._local(g, node, data)
         except BaseException as exc:  # noqa: BLE001 (kept, raised after llama_decode)
             if self.error is None:
                 self.error = exc
         return True
+
+    def _local(self, g: dict, node, data):
+        """--local: keep every node's output as it was when observed (its memory may be reused later) and
+        recompute the node's op in float64 from its sources."""
+        if node.size == 0 or node.type not in DTYPES:
+            return
+        data = read_data(self.lib, node) if data is None else data
+        g.setdefault("all", {})[node.addr] = data
+        if node.op in LOCAL_OPS and node.layer is not None or node.name in ("result_norm", "result_output", "norm"):
+            srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(a) for a in node.src]
+            self.local.add(node, srcs, data, self.u)
+
+    def _leaf(self, addr: int):
+        """A source that is not a node of this graph: a weight (read once) or an input of this ubatch."""
+        if addr in self._weights:
+            return self._weights[addr]
+        leaf = read_node(self.lib, addr, -1)
+        if leaf.type not in DTYPES:
+            return None
+        data = read_data(self.lib, leaf)
+        if leaf.name.startswith(("blk.", "token_embd", "output")):
+            self._weights[addr] = data
+        return data
 
     def _check_schedule(self, g: dict, tokens: torch.Tensor):
         S, T = tokens.shape
