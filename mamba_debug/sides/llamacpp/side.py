@@ -154,7 +154,13 @@ class LlamaCppSide:
                                          "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
                                         for n in g["map"].nodes.values() if n.site]
         self._history.append((tokens, logits, time.perf_counter() - t0))
-        return StepOutput(logits, self._sites(g, tokens.shape[0], tokens.shape[1], logits))
+        try:
+            sites = self._sites(g, tokens.shape[0], tokens.shape[1], logits)
+        except ValueError as exc:       # a node of another shape than the Mamba-1 graph this map reads
+            raise MambaDebugError(f"{self.lib.path}: a node of ubatch {self.u} does not have the shape the node map "
+                                  f"expects for [T, S] = [{tokens.shape[1]}, {tokens.shape[0]}] ({exc}); is this "
+                                  f"a Mamba-1 graph of llama.cpp 0c1e570?") from exc
+        return StepOutput(logits, sites)
 
     def reference_sites(self, sites: dict, tokens: torch.Tensor) -> dict:
         """What this side's op-named nodes should hold, from a reference side's sites of the same ubatch."""
