@@ -51,12 +51,14 @@ def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: 
         return
     if total_bytes is None:
         total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    need = comparison_gpu_bytes(cfg, s.ubatch, s.n_seqs, n_tok)
+    per_seq = lambda u: max(1, u // s.n_seqs)  # noqa: E731 (-ub counts tokens across the sequences)
+    need = comparison_gpu_bytes(cfg, per_seq(s.ubatch), s.n_seqs, n_tok)
     if need <= 0.9 * total_bytes:
         return
     fits = next((u for u in FITTING_UBATCHES
-                 if u < s.ubatch and comparison_gpu_bytes(cfg, u, s.n_seqs, n_tok) <= 0.9 * total_bytes), None)
-    fix = (f"use --ubatch {fits} (about {comparison_gpu_bytes(cfg, fits, s.n_seqs, n_tok) / 1e9:.0f} GB)" if fits
+                 if u < s.ubatch and comparison_gpu_bytes(cfg, per_seq(u), s.n_seqs, n_tok) <= 0.9 * total_bytes), None)
+    fix = (f"use --ubatch {fits} (about {comparison_gpu_bytes(cfg, per_seq(fits), s.n_seqs, n_tok) / 1e9:.0f} GB)"
+           if fits
            else "the weights alone do not fit: use --ref-device cpu")
     raise MambaDebugError(f"with the reference sides on the GPU, ubatch {s.ubatch} needs about {need / 1e9:.0f} GB "
                           f"of GPU memory (weights in float32 and float64, every site of one ubatch for the three "

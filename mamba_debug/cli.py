@@ -68,8 +68,8 @@ def add_settings_flags(p: argparse.ArgumentParser, command: str):
             continue
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         kw = {"dest": f.name, "help": meta["help"], "default": meta.get("cli_default", f.default)}
-        if meta.get("parse") == "store_true":
-            kw["action"] = "store_true"
+        if meta.get("parse") in ("store_true", "store_false"):
+            kw["action"] = meta["parse"]
         elif "parse" in meta:
             kw["type"] = _parser_for(meta["parse"], flag)
         if "choices" in meta:

@@ -40,6 +40,7 @@ class SideInfo:
     kernels: Optional[str]
     device: str               # "cpu" | "interpret" | "cuda"
     engine: str = "torch"
+    extra: Optional[dict] = None   # engine details: llama.cpp's library, version, devices, nodes (node -> backend)
 
 
 @dataclass
