@@ -118,8 +118,23 @@ def _progress(enabled):
 
 
 def _write_json(path, obj):
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=1))
+    from .safeio import write_text  # noqa: PLC0415
+    write_text(path, json.dumps(obj, indent=1))
+
+
+def guard_outputs(args, **outputs):
+    """Refuse (exit 2) an output path that is a file this run reads: the model's, the plug-in's, the trace shown."""
+    from .safeio import model_inputs, refuse_inputs  # noqa: PLC0415
+    inputs = []
+    if hasattr(args, "model"):
+        from .io.load import DEFAULT_MODEL  # noqa: PLC0415
+        inputs += model_inputs(args.model or DEFAULT_MODEL)
+    if getattr(args, "kernels", None) not in (None, "torch"):
+        from .plugins import resolve_kernels  # noqa: PLC0415
+        inputs.append(("the plug-in file", resolve_kernels(args.kernels)))
+    if getattr(args, "trace", None) and args.command == "show":
+        inputs.append(("the trace file", Path(args.trace)))
+    refuse_inputs(outputs, inputs)
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -127,6 +142,7 @@ def cmd_compare(args) -> int:
     from .compare import run_compare  # noqa: PLC0415
     from .trace import save_trace  # noqa: PLC0415
     from .views.summary import summary, to_json  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json, "--trace": args.trace, "--report": args.report})
     model, ids = model_and_prompt(args)
     res = run_compare(model, ids, settings_from(args), progress=_progress(sys.stderr.isatty()))
     print(summary(res))
@@ -143,6 +159,7 @@ def cmd_compare(args) -> int:
 
 def cmd_sweep(args) -> int:
     from .sweep import auto_workers, run_sweep  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json})
     model, ids = model_and_prompt(args)
     offloads = _int_list(args.offloads) if args.offloads else None
     workers = auto_workers(model, args.device) if args.workers is None else args.workers
@@ -171,6 +188,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_bisect(args) -> int:
     from .sweep import bisect_layer  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json})
     model, ids = model_and_prompt(args)
     out = bisect_layer(model, ids, settings_from(args))
     for r in out["runs"]:
@@ -185,6 +203,8 @@ def cmd_bisect(args) -> int:
 
 def cmd_export_case(args) -> int:
     from .export import export_case  # noqa: PLC0415
+    guard_outputs(args, **{f"--out {args.out}/{n}": Path(args.out) / n
+                           for n in ("inputs.safetensors", "case.json", "test_case.py")})
     model, ids = model_and_prompt(args)
     case = export_case(model, ids, settings_from(args, capture="metrics", free_run=False), args.out)
     print(f"exported {len(case['calls'])} op call(s) of layer {case['layer']} in ubatch {case['ubatch']} to "
@@ -195,6 +215,7 @@ def cmd_export_case(args) -> int:
 def cmd_show(args) -> int:
     from .trace import load_trace  # noqa: PLC0415
     from .views.summary import summary, to_json  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json, "--report": args.report})
     res = load_trace(args.trace)
     print(summary(res))
     if args.json:
@@ -226,6 +247,7 @@ def cmd_list_kernels(args) -> int:
 
 def cmd_export_gguf(args) -> int:
     from .io import describe_gguf, export_gguf, load_model  # noqa: PLC0415
+    guard_outputs(args, **{"--out": args.out})
     model = load_model(args.model)
     out = export_gguf(model, args.out, dtype=args.dtype)
     print(f"# {model!r} -> GGUF {args.dtype}")
@@ -297,15 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Exit 0 clean, 1 diverged, 2 a usage or input error (one line; `--debug` adds the traceback), 130 interrupted."""
+    from .cli_errors import run_guarded, split_debug  # noqa: PLC0415
+    argv, debug = split_debug(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except MambaDebugError as exc:
-        print(f"mamba-debug: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_guarded(args.func, args, debug)
 
 
 if __name__ == "__main__":

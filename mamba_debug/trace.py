@@ -183,10 +183,11 @@ def save_trace(res: CompareResult, path) -> Path:
             "trace_tokens": {_key(k): v for k, v in res.trace_tokens.items()},
             "nondeterminism": res.nondeterminism, "generations": res.generations,
             "perplexity": res.perplexity, "timings": res.timings}
+    from .safeio import atomic_path  # noqa: PLC0415
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": TRACE_FORMAT, "version": str(TRACE_VERSION),
-                                            "result": json.dumps(meta, default=str)})
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": TRACE_FORMAT, "version": str(TRACE_VERSION),
+                                               "result": json.dumps(meta, default=str)})
     return path
 
 

@@ -23,6 +23,7 @@ is in `model.notes`. `export_gguf(model, path, dtype)` writes f32, f16, bf16 or 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -244,7 +245,9 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".part")
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".part", dir=out_path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
     w = gguf.GGUFWriter(str(tmp), ARCH)
     try:
         w.add_name(Path(model.source).name or "mamba")

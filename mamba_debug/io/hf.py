@@ -18,6 +18,7 @@ from ..arch import param_shapes
 from ..config import MambaConfig
 from ..errors import CheckpointError
 from ..model import MambaModel
+from ..safeio import atomic_path, write_text
 from .weights import check_params
 
 
@@ -202,10 +203,12 @@ def save_hf(model: MambaModel, folder, dtype: torch.dtype = torch.float32) -> Pa
     table, names = LAYOUTS["transformers"], tensor_names(c, "transformers")
     tensors = {names[k]: _to_file(k, model.params[k]) for k in param_shapes(c)
                if not (k == "lm_head" and c.tie_embeddings)}
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    with atomic_path(folder / "model.safetensors") as tmp:
+        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp))
     config = {"architectures": ["MambaForCausalLM"], "model_type": "mamba",
               **{key: getattr(c, field) for field, key in table.config.items()}, "residual_in_fp32": True}
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_text(folder / "config.json", json.dumps(config, indent=2))
     if model.tokenizer is not None:
-        model.tokenizer.save(str(folder / "tokenizer.json"))
+        with atomic_path(folder / "tokenizer.json") as tmp:
+            model.tokenizer.save(str(tmp))
     return folder
