@@ -37,10 +37,14 @@ def _int_list(text: str) -> list:
     try:
         if ".." in text:
             a, b = text.split("..")
-            return list(range(int(a), int(b) + 1))
-        return [int(x) for x in text.split(",") if x]
+            out = list(range(int(a), int(b) + 1))
+        else:
+            out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a list like 1,2,8 or a range like 0..13, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty list or a reversed range; give e.g. 1,2,8 or 0..13")
+    return out
 
 
 def _str_list(text: str) -> list:
@@ -88,6 +92,8 @@ def settings_from(args, **over) -> RunSettings:
 
 def model_and_prompt(args):
     from .io import load_model  # noqa: PLC0415 (loading pulls in the readers: only for commands that load)
+    if args.prompt is not None and not args.prompt.strip():
+        raise MambaDebugError("--prompt is empty; give some text (or token ids), or leave --prompt out")
     model = load_model(args.model)
     if model.tokenizer is not None:
         ids = model.encode(args.prompt or DEFAULT_PROMPT)

@@ -26,6 +26,7 @@ from .model import Model, Runner, check_tokens
 from .settings import K_FLOOR, RunSettings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
 from .accumulate import Accumulator
+from .refcheck import check_reference
 from .sides.base import SharedReference
 from .sides.torch_side import TorchSide
 from .trace import CompareResult, SideInfo, TokenInfo, find_first_divergence, thresholds_from_floor
@@ -109,6 +110,7 @@ class _Loop:
         self.dev = sides["device"]
         self.shared = sides["ref32"].shared
         self.fork = None
+        self.order = [(i, n) for i, lt in enumerate(sides["ref32"].runner.layer_types) for n in lt.sites]
 
     def run(self, tokens, res: CompareResult, progress):
         S, P = tokens.shape
@@ -139,6 +141,8 @@ class _Loop:
 
     def _step(self, u, chunk, acc: Accumulator):
         out = {name: side.step(chunk) for name, side in self.sides.items()}   # refs first: the others read them
+        for name in ("ref32", "ref64"):                 # a NaN reference is reported, never compared against
+            check_reference(name, self.sides[name].info.label, out[name].sites, out[name].logits, u, self.order)
         extra = {}
         if "repeat" in out and self.dev.has_device:
             extra["repeat"] = out["repeat"].sites

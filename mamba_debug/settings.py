@@ -19,6 +19,7 @@ from .arch import all_sites
 from .config import ModelConfig
 from .errors import MambaDebugError
 from .placement import RULES, Placement
+from .settings_checks import check_numbers
 
 DEFAULT_UBATCH = 512
 DEVICES = ("cuda", "interpret", "cpu")
@@ -105,9 +106,10 @@ class RunSettings:
                 raise MambaDebugError(f"capture layer {layer} out of range 0..{cfg.n_layer - 1}")
         if self.repeat < 1:
             raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
+        check_numbers(self)
         if self.k_floor <= 1:
             raise MambaDebugError(f"k_floor must be > 1 (a multiple of the rounding floor), got {self.k_floor}")
-        offload = cfg.n_layer + 1 if self.offload is None else self.offload
+        offload = cfg.n_layer + 1 if self.offload is None else self.offload   # beyond the blocks: all (-ngl 99)
         out = dataclasses.replace(self, offload=offload, device=resolve_device(self.device))
         out.placement(cfg.n_layer)          # checks offload and rule
         return out

@@ -17,6 +17,7 @@ import torch
 from ..arch import param_shapes
 from ..config import MambaConfig
 from ..errors import CheckpointError
+from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel
 from ..safeio import atomic_path, write_text
 from .weights import check_params
@@ -128,7 +129,9 @@ def _config(raw: dict, tensors: dict, cfg_path: Path, layout: str) -> MambaConfi
                 raise KeyError(key)
         kw["vocab_size"] = _vocab_rows(tensors, (table.names["embed"], table.names["lm_head"]), kw["vocab_size"])
         kw["d_inner"] = kw.get("d_inner") or 0
+        check_config_values(kw, table.config, cfg_path)
         kw["dt_rank"] = _dt_rank(kw.get("dt_rank", "auto"), kw["d_model"])
+        check_weight_bytes(kw, sum(t.numel() * t.element_size() for t in tensors.values()), cfg_path)
         return MambaConfig(**kw)
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{cfg_path}: incomplete or invalid {layout} Mamba config ({exc})") from exc
