@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .backends import cpu_backend, cpu_threads_for, device_backend, reference_backend
-from .budget import check_budget, check_gpu_memory
+from .budget import check_budget, check_gpu_memory, check_host_memory
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .model import Model, Runner, check_tokens
 from .settings import K_FLOOR, RunSettings, resolve_ref_device
@@ -55,6 +55,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     placement = s.placement(cfg.n_layer)
     tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     check_budget(cfg, s, tokens.shape[1] + s.n_gen)
+    check_host_memory(cfg, s, tokens.shape[1] + s.n_gen)
     ref_device = resolve_ref_device(s.ref_device)
     if ref_device.type == "cuda":
         check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
