@@ -95,6 +95,8 @@ def model_and_prompt(args):
     if args.prompt is not None and not args.prompt.strip():
         raise MambaDebugError("--prompt is empty; give some text (or token ids), or leave --prompt out")
     model = load_model(args.model)
+    for note in model.notes:
+        print(f"mamba-debug: note: {note}", file=sys.stderr)
     if model.tokenizer is not None:
         ids = model.encode(args.prompt or DEFAULT_PROMPT)
     elif args.prompt:

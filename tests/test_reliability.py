@@ -183,3 +183,39 @@ def test_offload_beyond_the_layers_means_everything(folder):
     s = RunSettings(offload=99).validated(m.config)
     p = s.placement(m.config.n_layer)
     assert p.first_device_layer == 0 and p.head_on_device and not math.isnan(s.k_floor)
+
+
+# -- 5. model folders and trace files --------------------------------------------------------------------
+def test_stray_second_weights_file_is_never_mixed_in(folder):
+    from safetensors.torch import save_file
+    save_file({"backbone.embeddings.weight": torch.zeros(61, 32)}, str(folder / "zz-other.safetensors"))
+    (folder / "README.md").write_text("hello")
+    m = load_model(folder)                                   # model.safetensors is the weights; the rest ignored
+    assert m.params["embed"].abs().sum() > 0
+    (folder / "model.safetensors").rename(folder / "a.safetensors")
+    with pytest.raises(CheckpointError, match="a.safetensors.*zz-other.safetensors"):
+        load_model(folder)
+
+
+def test_extra_layer_in_the_checkpoint_is_refused(tmp_path):
+    save_hf(random_model(n_layer=3), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="layer"):
+        load_model(tmp_path / "m")
+
+
+def test_trace_with_unknown_keys_or_contradicting_metadata_is_refused(tmp_path, folder, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    trace = tmp_path / "t.safetensors"
+    assert _run(capsys, "compare", "--model", folder, "--trace", trace, *FAST)[0] in (0, 1)
+    with safe_open(str(trace), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta = json.loads(header["result"])
+    for change in ({"surprise": 1}, {"n_prompt": 10 ** 6}, {"layer_sites": meta["layer_sites"][:1]}):
+        bad = tmp_path / "bad.safetensors"
+        save_file(tensors, str(bad), metadata={**header, "result": json.dumps({**meta, **change})})
+        rc, _, err = _run(capsys, "show", bad)
+        assert rc == 2 and "bad.safetensors" in err, (change, err)

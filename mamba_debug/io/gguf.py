@@ -182,6 +182,11 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
                                   f"(all negative), so this file holds A_log or is damaged: re-convert it")
     known = set(names.values())
     extra = sorted(set(by_name) - known)
+    beyond = sorted({int(k.split(".")[1]) for k in extra if k.startswith("blk.") and k.split(".")[1].isdigit()
+                     and int(k.split(".")[1]) >= L})
+    if beyond:
+        raise CheckpointError(f"{path}: tensors of block(s) {', '.join(map(str, beyond[:5]))} but {ARCH}.block_count "
+                              f"is {L}; the metadata does not match the tensors")
     params = check_params(cfg, params, str(path), names)
 
     tokenizer, notes = read_tokenizer(reader)

@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel
 from ..safeio import atomic_path, write_text
+from .hf_files import check_extra_tensors, weights_files
 from .weights import check_params
 
 
@@ -105,8 +106,11 @@ def load_hf_folder(folder: Path, raw: dict | None = None) -> MambaModel:
                               f"the state-spaces one (d_model, n_layer, ssm_cfg)")
     cfg = _config(raw, tensors, cfg_path, layout)
     names = tensor_names(cfg, layout)
+    extra = check_extra_tensors(tensors, set(names.values()) | {LAYOUTS[layout].names["lm_head"]}, cfg.n_layer,
+                                folder)
     params = check_params(cfg, _translate(cfg, tensors, names), str(folder), names)
-    return MambaModel(cfg, params, _read_tokenizer(folder), source=str(folder))
+    notes = [f"ignored tensors the config does not account for: {', '.join(extra[:4])}"] if extra else []
+    return MambaModel(cfg, params, _read_tokenizer(folder), source=str(folder), notes=notes)
 
 
 def _lookup(raw: dict, key: str):
@@ -138,7 +142,8 @@ def _config(raw: dict, tensors: dict, cfg_path: Path, layout: str) -> MambaConfi
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    st_files = sorted(folder.glob("*.safetensors"))
+    files, _ = weights_files(folder)        # never a stray second weights file mixed in
+    st_files = [f for f in files if f.suffix == ".safetensors"]
     if st_files:
         from safetensors import safe_open  # noqa: PLC0415
         out = {}
@@ -151,7 +156,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{f}: cannot be read as safetensors ({exc}); the file is truncated or "
                                       f"damaged: save or copy it again") from exc
         return out
-    bins = sorted(folder.glob("pytorch_model*.bin"))
+    bins = [f for f in files if f.suffix == ".bin"]
     if bins:
         out = {}
         for f in bins:
