@@ -166,13 +166,22 @@ def cmd_compare(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import auto_workers, run_sweep  # noqa: PLC0415
+    from .sweep import SweepInterrupted, auto_workers, run_sweep  # noqa: PLC0415
     guard_outputs(args, **{"--json": args.json})
     model, ids = model_and_prompt(args)
     offloads = _int_list(args.offloads) if args.offloads else None
     workers = auto_workers(model, args.device) if args.workers is None else args.workers
-    sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches), _int_list(args.n_seqs_list),
-                   workers=workers)
+    try:
+        sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches),
+                       _int_list(args.n_seqs_list), workers=workers)
+    except SweepInterrupted as stop:           # keep the finished cells, in a file of their own
+        path = Path(args.json or "sweep.json")
+        path = path.with_name(path.stem + ".incomplete.json")
+        _write_json(path, stop.partial)
+        print(f"mamba-debug: interrupted: {stop.partial['cells_done']} of {stop.partial['cells_total']} cells "
+              f"finished, written to {path} (marked incomplete); {args.json or 'no --json output'} left as it was",
+              file=sys.stderr)
+        return 130
     ubs = sw["ubatches"]
     for s in sw["n_seqs"]:
         print(f"first divergence (token/layer) with {s} sequence(s); rows offload, columns ubatch")
@@ -288,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offloads", default=None, help="offload counts (default 0..n_layer+1)")
     p.add_argument("--ubatches", default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")
     p.add_argument("--n-seqs-list", default="1", help="sequence counts (default 1)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_int_at_least("--workers", 1), default=None,
                    help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU)")
     _run_command(sub, "bisect", cmd_bisect, "find the first bad layer by moving the offload boundary")
     p = _run_command(sub, "export-case", cmd_export_case,

@@ -219,3 +219,40 @@ def test_trace_with_unknown_keys_or_contradicting_metadata_is_refused(tmp_path, 
         save_file(tensors, str(bad), metadata={**header, "result": json.dumps({**meta, **change})})
         rc, _, err = _run(capsys, "show", bad)
         assert rc == 2 and "bad.safetensors" in err, (change, err)
+
+
+# -- 6. interrupts keep work and lose none ---------------------------------------------------------------
+def test_interrupted_sweep_keeps_finished_cells_apart_and_exits_130(tmp_path, folder, capsys, monkeypatch):
+    import mamba_debug.sweep as sweep
+    real, calls = sweep.run_compare, []
+
+    def stop_on_third(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(sweep, "run_compare", stop_on_third)
+    out = tmp_path / "sw.json"
+    out.write_text("previous")
+    rc, _, err = _run(capsys, "sweep", "--model", folder, "--workers", 1, "--ubatches", "1,2", "--json", out, *FAST)
+    partial = json.loads((tmp_path / "sw.incomplete.json").read_text())
+    assert rc == 130 and out.read_text() == "previous" and "sw.incomplete.json" in err
+    assert partial["incomplete"] and partial["cells_done"] >= 2 and partial["cells_done"] < partial["cells_total"]
+
+
+def test_sigterm_stops_a_parallel_sweep_within_seconds(tmp_path, folder):
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "sw.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-m", "mamba_debug", "sweep", "--model", str(folder), "--workers", "2",
+                          "--ubatches", "1,2,3,4,5,6,7,8", "--json", str(out), *FAST], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and time.time() - t0 < 15 and "Traceback" not in err, err
+    assert not out.exists() and (tmp_path / "sw.incomplete.json").exists()
