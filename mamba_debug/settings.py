@@ -86,6 +86,7 @@ class RunSettings:
     def validated(self, cfg: ModelConfig) -> "RunSettings":
         """The one check of every field against the model; returns the settings with offload and device resolved
         (offload None -> every block and the head, like -ngl 99; device None -> cuda or interpret)."""
+        check_numbers(self)                 # finite, typed, in range: before any comparison with them
         if not isinstance(self.ubatch, int) or self.ubatch < 1:
             raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {self.ubatch!r}")
         if not isinstance(self.n_seqs, int) or self.n_seqs < 1:
@@ -106,7 +107,6 @@ class RunSettings:
                 raise MambaDebugError(f"capture layer {layer} out of range 0..{cfg.n_layer - 1}")
         if self.repeat < 1:
             raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
-        check_numbers(self)
         if self.k_floor <= 1:
             raise MambaDebugError(f"k_floor must be > 1 (a multiple of the rounding floor), got {self.k_floor}")
         offload = cfg.n_layer + 1 if self.offload is None else self.offload   # beyond the blocks: all (-ngl 99)
