@@ -11,12 +11,12 @@ from .errors import MambaDebugError
 def _number(name: str, v, low: float, high: float = math.inf, flag: str | None = None):
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and low < v <= high
     if not ok:
-        raise MambaDebugError(f"{flag or name} must be a finite number in ({low:g}, {high:g}], got {v!r}")
+        raise MambaDebugError(f"{name} ({flag}) must be a finite number in ({low:g}, {high:g}], got {v!r}")
 
 
 def _count(name: str, v, low: int, flag: str):
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise MambaDebugError(f"{flag} must be an integer >= {low}, got {v!r}")
+        raise MambaDebugError(f"{name} ({flag}) must be an integer >= {low}, got {v!r}")
 
 
 def check_numbers(s) -> None:
