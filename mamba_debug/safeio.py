@@ -75,6 +75,13 @@ def refuse_inputs(outputs: dict, inputs: list):
     """outputs: flag -> path (None = not asked); inputs: (what, path). Refuse an output that is an input or that
     another output also names."""
     given = [(flag, Path(p)) for flag, p in outputs.items() if p is not None]
+    for flag, out in given:                 # refused now, not after the run
+        if out.is_dir():
+            raise MambaDebugError(f"{flag} {out} is a folder; give a file name for this output")
+        parent = next((a for a in out.absolute().parents if a.exists()), None)
+        if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
+            raise MambaDebugError(f"{flag} {out}: cannot write into {parent} (not a writable folder); choose "
+                                  f"another output path")
     for flag, out in given:
         for what, inp in inputs:
             if inp is not None and _same(out, Path(inp)):

@@ -248,11 +248,27 @@ def test_sigterm_stops_a_parallel_sweep_within_seconds(tmp_path, folder):
     out = tmp_path / "sw.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     p = subprocess.Popen([sys.executable, "-m", "mamba_debug", "sweep", "--model", str(folder), "--workers", "2",
-                          "--ubatches", "1,2,3,4,5,6,7,8", "--json", str(out), *FAST], env=env,
+                          "--ubatches", "1..24", "--json", str(out), *FAST], env=env,
                          stderr=subprocess.PIPE, text=True)
-    time.sleep(8)
+    deadline = time.time() + 60            # wait for the workers (two spawned children), then let them run
+    while time.time() < deadline and p.poll() is None and len(
+            subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()) < 2:
+        time.sleep(0.2)
+    time.sleep(3)
+    assert p.poll() is None, "the sweep ended before the signal; make it longer"
+    workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=30)
-    assert p.returncode == 130 and time.time() - t0 < 15 and "Traceback" not in err, err
+    time.sleep(1)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    assert not alive, f"workers {alive} still running"
+    assert p.returncode == 130 and time.time() - t0 < 20 and "Traceback" not in err, err
     assert not out.exists() and (tmp_path / "sw.incomplete.json").exists()
+
+
+def test_output_that_is_a_folder_is_refused_before_the_run(folder, capsys, monkeypatch):
+    import mamba_debug.compare as compare
+    monkeypatch.setattr(compare, "run_compare", lambda *a, **k: pytest.fail("ran before refusing"))
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--json", folder.parent, *FAST)
+    assert rc == 2 and "folder" in err
