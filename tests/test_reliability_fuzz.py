@@ -173,3 +173,16 @@ def test_reference_logits_match_an_independent_float64_mamba(seed, n_layer, n_to
     got = m.logits(torch.tensor(tokens)[None], ubatch=ubatch)[0].double().numpy()
     want = _np_mamba(m.params, m.config, tokens)
     assert np.allclose(got, want, rtol=1e-9, atol=1e-9), np.abs(got - want).max()
+
+
+@FUZZ
+@given(st.data())
+def test_config_values_changed_are_a_clear_error_or_a_finite_model(files, tmp_path_factory, data):
+    d = tmp_path_factory.mktemp("cf")
+    shutil.copy(files / "hf" / "model.safetensors", d / "model.safetensors")
+    raw = json.loads((files / "hf" / "config.json").read_text())
+    key = data.draw(st.sampled_from(sorted(raw)))
+    raw[key] = data.draw(json_values)
+    (d / "config.json").write_text(json.dumps(raw))
+    m = _clear_or_correct(lambda: load_model(d))
+    assert m is None or (math.isfinite(m.config.rms_eps) and m.config.rms_eps > 0)

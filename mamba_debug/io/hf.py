@@ -84,9 +84,12 @@ def read_config(folder: Path) -> tuple[dict, Path]:
     if not cfg_path.is_file():
         raise CheckpointError(f"{folder}: no config.json; an HF model folder needs config.json and weights")
     try:
-        return json.loads(cfg_path.read_text()), cfg_path
-    except json.JSONDecodeError as exc:
+        raw = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for k, v in raw.items() if k == "ssm_cfg" and v):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object of config keys (ssm_cfg an object too)")
+    return raw, cfg_path
 
 
 def load_hf_folder(folder: Path, raw: dict | None = None) -> MambaModel:
@@ -137,7 +140,7 @@ def _config(raw: dict, tensors: dict, cfg_path: Path, layout: str) -> MambaConfi
         kw["dt_rank"] = _dt_rank(kw.get("dt_rank", "auto"), kw["d_model"])
         check_weight_bytes(kw, sum(t.numel() * t.element_size() for t in tensors.values()), cfg_path)
         return MambaConfig(**kw)
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as exc:
         raise CheckpointError(f"{cfg_path}: incomplete or invalid {layout} Mamba config ({exc})") from exc
 
 
