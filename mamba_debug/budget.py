@@ -83,13 +83,14 @@ def check_budget(cfg: ModelConfig, s: RunSettings, n_tok: int):
 
 def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     """Host working set of a comparison with the reference sides on the CPU: the weights (float64 masters, float32
-    copies for the reference and the device), one ubatch of sites for the three runners (twice: the runners'
-    temporaries), the logits kept for perplexity and the metrics of every site and token."""
+    copies for the reference and, unless it runs on the GPU, the device), one ubatch of sites for the three runners
+    (twice: the runners' temporaries), the logits kept for perplexity and the metrics of every site and token."""
     params = sum(math.prod(shape) for shape in param_shapes(cfg).values())
     ub = min(s.ubatch, n_tok)
     n_sites = sum(len(x) for x in layer_site_elements(cfg)) + 2
     metrics = s.n_seqs * n_tok * n_sites * 8 * 6
-    return params * (8 + 4 + 4) + 2 * ubatch_capture_bytes(cfg, ub, s.n_seqs) + 2 * s.n_seqs * n_tok * \
+    device_copy = 0 if s.device == "cuda" else 4          # the device side's own float32 weights (isolation)
+    return params * (8 + 4 + device_copy) + 2 * ubatch_capture_bytes(cfg, ub, s.n_seqs) + 2 * s.n_seqs * n_tok * \
         cfg.vocab_size * 8 + metrics
 
 

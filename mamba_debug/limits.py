@@ -52,5 +52,5 @@ def check_weight_bytes(values: dict, file_bytes: int, source, min_bits: int = 8)
     need = n_param_elements(values)
     if need * min_bits > file_bytes * 8:
         raise CheckpointError(f"{source}: the config declares {need:,} weight elements but the weight files hold "
-                              f"{file_bytes:,} bytes (at least {min_bits} bit(s) per element); the config does not belong "
-                              f"to these weights or the files are truncated")
+                              f"{file_bytes:,} bytes (at least {min_bits} bit(s) per element); the config does not "
+                              f"belong to these weights or the files are truncated")

@@ -97,7 +97,8 @@ def test_mutated_trace_is_a_clear_error_or_a_consistent_trace(files, tmp_path_fa
     assert res is None or res.tokens.shape[1] == len(res.token_info)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 12, 10 ** 12) | st.floats() | st.text(max_size=5),
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 12, 10 ** 12) | st.floats()
+                           | st.text(max_size=5),
                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
                            max_leaves=6)
 
