@@ -32,7 +32,8 @@ class Backend:
 
     @property
     def key(self) -> tuple:
-        return (str(self.device), self.dtype)
+        # the back-end's name too: a device back-end never shares a weight tensor with a reference one (isolation)
+        return (self.name, str(self.device), self.dtype)
 
 
 def reference_backend(device: str | torch.device = "cpu") -> Backend:

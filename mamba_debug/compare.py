@@ -21,12 +21,13 @@ import torch
 
 from .arch import model_ops
 from .backends import cpu_backend, cpu_threads_for, device_backend, reference_backend
-from .budget import check_budget, check_gpu_memory
+from .budget import check_budget, check_gpu_memory, check_host_memory
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .model import Model, Runner, check_tokens
 from .settings import K_FLOOR, RunSettings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
 from .accumulate import Accumulator
+from .refcheck import check_reference
 from .sides.base import SharedReference
 from .sides.torch_side import TorchSide
 from .trace import CompareResult, SideInfo, TokenInfo, find_first_divergence, thresholds_from_floor
@@ -55,6 +56,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     placement = s.placement(cfg.n_layer)
     tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     check_budget(cfg, s, tokens.shape[1] + s.n_gen)
+    check_host_memory(cfg, s, tokens.shape[1] + s.n_gen)
     ref_device = resolve_ref_device(s.ref_device)
     if ref_device.type == "cuda":
         check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
@@ -120,6 +122,7 @@ class _Loop:
         self.dev = sides["device"]
         self.shared = sides["ref32"].shared
         self.fork = None
+        self.order = [(i, n) for i, lt in enumerate(sides["ref32"].runner.layer_types) for n in lt.sites]
 
     def run(self, tokens, res: CompareResult, progress):
         S, P = tokens.shape
@@ -151,6 +154,8 @@ class _Loop:
 
     def _step(self, u, chunk, acc: Accumulator):
         out = {name: side.step(chunk) for name, side in self.sides.items()}   # refs first: the others read them
+        for name in ("ref32", "ref64"):                 # a NaN reference is reported, never compared against
+            check_reference(name, self.sides[name].info.label, out[name].sites, out[name].logits, u, self.order)
         extra = {}
         if "repeat" in out and self.dev.has_device:
             extra["repeat"] = out["repeat"].sites

@@ -54,6 +54,8 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
     in that ubatch, and write inputs.safetensors + case.json + test_case.py into out_dir."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
+    from .safeio import atomic_path, write_text  # noqa: PLC0415
+
     res = result or run_compare(model, prompt_ids, settings)
     fd = res.first_divergence
     if fd is None:
@@ -88,12 +90,13 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
                                  if k != "states_out"}})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(store, str(out / "inputs.safetensors"))
+    with atomic_path(out / "inputs.safetensors") as tmp:
+        save_file(store, str(tmp))
     kpath = None if s.kernels in (None, "torch") else str(resolve_kernels(s.kernels))
     case = {"layer": layer, "ubatch": fd["ubatch"], "first_divergence": fd, "kernels": s.kernels,
             "kernels_path": kpath, "device": device, "calls": calls, "nmse_limit": 1e-7}
-    (out / "case.json").write_text(json.dumps(case, indent=1, default=str))
-    (out / "test_case.py").write_text(_test_source())
+    write_text(out / "case.json", json.dumps(case, indent=1, default=str))
+    write_text(out / "test_case.py", _test_source())
     return case
 
 

@@ -19,6 +19,7 @@ from .arch import all_sites
 from .config import ModelConfig
 from .errors import MambaDebugError
 from .placement import RULES, Placement
+from .settings_checks import check_numbers
 
 DEFAULT_UBATCH = 512
 DEVICES = ("cuda", "interpret", "cpu")
@@ -98,6 +99,7 @@ class RunSettings:
     def validated(self, cfg: ModelConfig) -> "RunSettings":
         """The one check of every field against the model; returns the settings with offload and device resolved
         (offload None -> every block and the head, like -ngl 99; device None -> cuda or interpret)."""
+        check_numbers(self)                 # finite, typed, in range: before any comparison with them
         if not isinstance(self.ubatch, int) or self.ubatch < 1:
             raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {self.ubatch!r}")
         if not isinstance(self.n_seqs, int) or self.n_seqs < 1:
@@ -129,7 +131,7 @@ class RunSettings:
             raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
         if self.k_floor <= 1:
             raise MambaDebugError(f"k_floor must be > 1 (a multiple of the rounding floor), got {self.k_floor}")
-        offload = cfg.n_layer + 1 if self.offload is None else self.offload
+        offload = cfg.n_layer + 1 if self.offload is None else self.offload   # beyond the blocks: all (-ngl 99)
         device = (self.device or "cpu") if self.engine == "llama.cpp" else resolve_device(self.device)
         out = dataclasses.replace(self, offload=offload, device=device)
         out.placement(cfg.n_layer)          # checks offload and rule

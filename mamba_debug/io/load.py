@@ -64,7 +64,9 @@ def _raise_bad_gguf(path: Path, magic: bytes) -> bool:
 
 
 def _reject_other_arch(raw: dict, cfg_path: Path):
-    words = [str(raw.get("model_type", "")).lower()] + [str(a).lower() for a in raw.get("architectures", [])]
+    archs = raw.get("architectures") or []
+    words = [str(raw.get("model_type", "")).lower()] + [str(a).lower() for a in
+                                                         (archs if isinstance(archs, list) else [archs])]
     ssm_cfg = raw.get("ssm_cfg") or {}
     if str(ssm_cfg.get("layer", "")).lower() == "mamba2" or any("mamba2" in w for w in words):
         kind = "Mamba-2"
