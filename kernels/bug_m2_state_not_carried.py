@@ -20,7 +20,7 @@ BUG = {
     "expect": [
         {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 1}, "model": {"arch": "mamba2"},
          "first_divergence": {"layer_from_boundary": 0, "site": "y_scan", "token": 8}},
-        {"settings": {"offload": 3, "ubatch": 40, "n_seqs": 2}, "model": {"arch": "hybrid"},
+        {"settings": {"offload": 3, "ubatch": 80, "n_seqs": 2}, "model": {"arch": "hybrid"},
          "first_divergence": {"layer_from_boundary": 1, "site": "y_scan", "token": 40}},
         {"settings": {"offload": 0, "ubatch": 8, "n_seqs": 1}, "model": {"arch": "mamba2"}, "first_divergence": None},
     ],
