@@ -22,7 +22,7 @@ BUG = {
     "expect": [
         {"settings": {"offload": 2, "ubatch": 40, "n_seqs": 1},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv", "token": 32}},
-        {"settings": {"offload": 2, "ubatch": 32, "n_seqs": 2}, "first_divergence": None},
+        {"settings": {"offload": 2, "ubatch": 64, "n_seqs": 2}, "first_divergence": None},
         {"settings": {"offload": 5, "ubatch": 33, "n_seqs": 1}, "n_gen": 0,
          "first_divergence": {"layer_from_boundary": 0, "site": "conv", "token": 32}},
     ],

@@ -24,9 +24,9 @@ BUG = {
                "of the second ubatch; sequence 0 stays exact.",
     "expect": [
         {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 1}, "first_divergence": None},
-        {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 3},
+        {"settings": {"offload": 2, "ubatch": 24, "n_seqs": 3},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv_state", "token": 7, "seq": 1}},
-        {"settings": {"offload": 5, "ubatch": 40, "n_seqs": 2},
+        {"settings": {"offload": 5, "ubatch": 80, "n_seqs": 2},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv_state", "token": 39, "seq": 1}},
     ],
 }

@@ -23,7 +23,7 @@ BUG = {
         {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 1}, "n_gen": 0, "first_divergence": None},
         {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 1},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv_state", "token": 40}},
-        {"settings": {"offload": 2, "ubatch": 3, "n_seqs": 2}, "n_gen": 0,
+        {"settings": {"offload": 2, "ubatch": 6, "n_seqs": 2}, "n_gen": 0,
          "first_divergence": {"layer_from_boundary": 0, "site": "conv_state", "token": 39, "seq": 0}},
     ],
 }

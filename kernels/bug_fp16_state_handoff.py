@@ -20,7 +20,7 @@ BUG = {
     "expect": [
         {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 1},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv_state", "token": 7}},
-        {"settings": {"offload": 5, "ubatch": 40, "n_seqs": 2}, "n_gen": 0,
+        {"settings": {"offload": 5, "ubatch": 80, "n_seqs": 2}, "n_gen": 0,
          "first_divergence": {"layer_from_boundary": 0, "site": "conv_state", "token": 39}},
         {"settings": {"offload": 0, "ubatch": 8, "n_seqs": 1}, "first_divergence": None},
     ],

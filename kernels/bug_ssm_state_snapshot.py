@@ -22,7 +22,7 @@ BUG = {
          "first_divergence": {"layer_from_boundary": 0, "site": "ssm_state", "token": 7}},
         {"settings": {"offload": 5, "ubatch": 40, "n_seqs": 1}, "n_gen": 0,
          "first_divergence": {"layer_from_boundary": 0, "site": "ssm_state", "token": 39}},
-        {"settings": {"offload": 5, "ubatch": 40, "n_seqs": 2},
+        {"settings": {"offload": 5, "ubatch": 80, "n_seqs": 2},
          "first_divergence": {"layer_from_boundary": 0, "site": "ssm_state", "token": 39}},
     ],
 }

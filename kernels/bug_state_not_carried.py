@@ -23,7 +23,7 @@ BUG = {
          "first_divergence": {"layer_from_boundary": 0, "site": "conv", "token": 8}},
         {"settings": {"offload": 5, "ubatch": 40, "n_seqs": 1},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv", "token": 40}},
-        {"settings": {"offload": 5, "ubatch": 40, "n_seqs": 2}, "n_gen": 0, "first_divergence": None},
+        {"settings": {"offload": 5, "ubatch": 80, "n_seqs": 2}, "n_gen": 0, "first_divergence": None},
     ],
 }
 

@@ -21,9 +21,9 @@ BUG = {
                "(token = ubatch), all device layers at once; sequence 2 stays exact.",
     "expect": [
         {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 1}, "first_divergence": None},
-        {"settings": {"offload": 2, "ubatch": 8, "n_seqs": 3},
+        {"settings": {"offload": 2, "ubatch": 24, "n_seqs": 3},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv", "token": 8, "seq": 0}},
-        {"settings": {"offload": 1, "ubatch": 40, "n_seqs": 2},
+        {"settings": {"offload": 1, "ubatch": 80, "n_seqs": 2},
          "first_divergence": {"layer_from_boundary": 0, "site": "conv", "token": 40, "seq": 0}},
     ],
 }

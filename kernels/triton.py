@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 NAME = "triton"
-DESCRIPTION = "Triton ssm_conv and ssm_scan (the default device kernels; compiled on cuda, interpreted on CPU)"
+DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
 SUPPORTS_STATES_OUT = True
 
 # Decided once, when the plug-in loader executes this file: `triton.jit` below then builds interpreted or
@@ -564,3 +564,9 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
 
 
 OPS = {"ssm_conv": ssm_conv, "ssm_scan": ssm_scan}
+
+# Mamba-2's ops (ssd_scan, rms_norm_gated) live beside this file in triton_mamba2.py; the default plug-in offers
+# them too, so a Mamba-2 or hybrid model runs on Triton kernels with the default `--kernels triton`.
+from mamba_debug.plugins import sibling as _sibling  # noqa: E402
+
+OPS.update(_sibling("triton_mamba2").module.OPS)

@@ -42,10 +42,13 @@ class Accumulator:
             dev = vdev[key][0] if observed else None
             a, b, a32, a64 = (None if v is None else v if per_token else v[:, None]
                               for v in (dev, ref, v32[key][0], v64[key][0]))
+            at_end = observed and per_token and not vdev[key][1]   # the device has this state at the ubatch end only
             if not observed:
                 e = _not_observed(b)
             elif a is b or dev is ref:
                 e = _identical(b)                       # shared host blocks: exactly 0
+            elif at_end:
+                e = {m: _at_last(v, T) for m, v in site_errors(dev[:, None], b[:, -1:]).items()}
             else:
                 e = site_errors(a, b)
             if key not in floors:

@@ -32,7 +32,8 @@ class Backend:
 
     @property
     def key(self) -> tuple:
-        return (str(self.device), self.dtype)
+        # the back-end's name too: a device back-end never shares a weight tensor with a reference one (isolation)
+        return (self.name, str(self.device), self.dtype)
 
 
 def reference_backend(device: str | torch.device = "cpu") -> Backend:
@@ -52,7 +53,9 @@ def _where(device: torch.device) -> str:
     return "CPU" if device.type == "cpu" else f"GPU ({device})"
 
 
-def device_backend(kernels: str | None = "triton", device: str | None = None) -> Backend:
+def device_backend(kernels: str | None = "triton", device: str | None = None, uses=None) -> Backend:
+    """uses: the op names the model calls (`arch.model_ops`); the label then names only the plug-in's ops among
+    them (the default plug-in also carries Mamba-2's ops, which a Mamba-1 run never calls)."""
     device = resolve_device(device)
     torch_device = torch.device("cuda" if device == "cuda" else "cpu")
     ops = dict(TORCH_OPS)
@@ -63,7 +66,7 @@ def device_backend(kernels: str | None = "triton", device: str | None = None) ->
         plugin = load_plugin(kernels, device)
         ops.update(plugin.ops)
         supports_states_out = plugin.supports_states_out
-        name, overridden = plugin.name, sorted(plugin.ops)
+        name, overridden = plugin.name, sorted(op for op in plugin.ops if uses is None or op in uses)
     where = {"cuda": f"compiled for {torch.cuda.get_device_name() if device == 'cuda' else ''}",
              "interpret": "under Triton's interpreter on the CPU", "cpu": "on the CPU"}[device]
     what = f"kernels '{name}' ({', '.join(overridden)}; other ops torch)" if overridden else "torch ops"

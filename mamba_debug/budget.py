@@ -50,12 +50,14 @@ def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: 
         return
     if total_bytes is None:
         total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    need = comparison_gpu_bytes(cfg, s.ubatch, s.n_seqs, n_tok)
+    per_seq = lambda u: max(1, u // s.n_seqs)  # noqa: E731 (-ub counts tokens across the sequences)
+    need = comparison_gpu_bytes(cfg, per_seq(s.ubatch), s.n_seqs, n_tok)
     if need <= 0.9 * total_bytes:
         return
     fits = next((u for u in FITTING_UBATCHES
-                 if u < s.ubatch and comparison_gpu_bytes(cfg, u, s.n_seqs, n_tok) <= 0.9 * total_bytes), None)
-    fix = (f"use --ubatch {fits} (about {comparison_gpu_bytes(cfg, fits, s.n_seqs, n_tok) / 1e9:.0f} GB)" if fits
+                 if u < s.ubatch and comparison_gpu_bytes(cfg, per_seq(u), s.n_seqs, n_tok) <= 0.9 * total_bytes), None)
+    fix = (f"use --ubatch {fits} (about {comparison_gpu_bytes(cfg, per_seq(fits), s.n_seqs, n_tok) / 1e9:.0f} GB)"
+           if fits
            else "the weights alone do not fit: use --ref-device cpu")
     raise MambaDebugError(f"with the reference sides on the GPU, ubatch {s.ubatch} needs about {need / 1e9:.0f} GB "
                           f"of GPU memory (weights in float32 and float64, every site of one ubatch for the three "
@@ -78,3 +80,48 @@ def check_budget(cfg: ModelConfig, s: RunSettings, n_tok: int):
             f"capturing every site would keep about {mb:.0f} MB of tensors, over the {s.memory_budget_mb:.0f} MB "
             f"budget: use capture='metrics' (metrics only), or capture='sites' with fewer layers/sites, or raise "
             f"the budget (--memory-budget-mb)")
+
+
+def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
+    """Host working set of a comparison with the reference sides on the CPU: the weights (float64 masters, float32
+    copies for the reference and, unless it runs on the GPU, the device), one ubatch of sites for the three runners
+    (twice: the runners' temporaries), the logits kept for perplexity and the metrics of every site and token."""
+    params = sum(math.prod(shape) for shape in param_shapes(cfg).values())
+    ub = min(s.ubatch, n_tok)
+    n_sites = sum(len(x) for x in layer_site_elements(cfg)) + 2
+    metrics = s.n_seqs * n_tok * n_sites * 8 * 6
+    device_copy = 0 if s.device == "cuda" else 4          # the device side's own float32 weights (isolation)
+    return params * (8 + 4 + device_copy) + 2 * ubatch_capture_bytes(cfg, ub, s.n_seqs) + 2 * s.n_seqs * n_tok * \
+        cfg.vocab_size * 8 + metrics
+
+
+def _available_host_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return math.inf
+
+
+def check_host_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, available: Optional[float] = None):
+    """Refuse, within seconds, a run whose host working set would not fit, with the figure and settings that fit."""
+    if s.ref_device != "cpu":
+        return
+    available = _available_host_bytes() if available is None else available
+    need = host_bytes(cfg, s, n_tok)
+    if need <= 0.8 * available:
+        return
+    fit = lambda **kw: host_bytes(cfg, s.replace(**kw), n_tok) <= 0.8 * available  # noqa: E731
+    seqs = next((n for n in (4096, 1024, 256, 64, 16, 4, 1) if n < s.n_seqs and fit(n_seqs=n)), None)
+    ubs = next((u for u in FITTING_UBATCHES if u < s.ubatch and fit(ubatch=u)), None)
+    fixes = [f"--n-seqs {seqs}" for _ in [0] if seqs] + [f"--ubatch {ubs}" for _ in [0] if ubs]
+    fix = " or ".join(fixes) if fixes else "a shorter prompt or fewer --n-gen tokens"
+    raise MambaDebugError(f"this run needs about {_human(need)} of memory (n_seqs {s.n_seqs}, ubatch {s.ubatch}, "
+                          f"{n_tok} tokens), over 80% of the {_human(available)} available: use {fix}")
+
+
+def _human(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"

@@ -37,10 +37,14 @@ def _int_list(text: str) -> list:
     try:
         if ".." in text:
             a, b = text.split("..")
-            return list(range(int(a), int(b) + 1))
-        return [int(x) for x in text.split(",") if x]
+            out = list(range(int(a), int(b) + 1))
+        else:
+            out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a list like 1,2,8 or a range like 0..13, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty list or a reversed range; give e.g. 1,2,8 or 0..13")
+    return out
 
 
 def _str_list(text: str) -> list:
@@ -68,8 +72,8 @@ def add_settings_flags(p: argparse.ArgumentParser, command: str):
             continue
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         kw = {"dest": f.name, "help": meta["help"], "default": meta.get("cli_default", f.default)}
-        if meta.get("parse") == "store_true":
-            kw["action"] = "store_true"
+        if meta.get("parse") in ("store_true", "store_false"):
+            kw["action"] = meta["parse"]
         elif "parse" in meta:
             kw["type"] = _parser_for(meta["parse"], flag)
         if "choices" in meta:
@@ -88,7 +92,11 @@ def settings_from(args, **over) -> RunSettings:
 
 def model_and_prompt(args):
     from .io import load_model  # noqa: PLC0415 (loading pulls in the readers: only for commands that load)
+    if args.prompt is not None and not args.prompt.strip():
+        raise MambaDebugError("--prompt is empty; give some text (or token ids), or leave --prompt out")
     model = load_model(args.model)
+    for note in model.notes:
+        print(f"mamba-debug: note: {note}", file=sys.stderr)
     if model.tokenizer is not None:
         ids = model.encode(args.prompt or DEFAULT_PROMPT)
     elif args.prompt:
@@ -118,8 +126,23 @@ def _progress(enabled):
 
 
 def _write_json(path, obj):
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=1))
+    from .safeio import write_text  # noqa: PLC0415
+    write_text(path, json.dumps(obj, indent=1))
+
+
+def guard_outputs(args, **outputs):
+    """Refuse (exit 2) an output path that is a file this run reads: the model's, the plug-in's, the trace shown."""
+    from .safeio import model_inputs, refuse_inputs  # noqa: PLC0415
+    inputs = []
+    if hasattr(args, "model"):
+        from .io.load import DEFAULT_MODEL  # noqa: PLC0415
+        inputs += model_inputs(args.model or DEFAULT_MODEL)
+    if getattr(args, "kernels", None) not in (None, "torch"):
+        from .plugins import resolve_kernels  # noqa: PLC0415
+        inputs.append(("the plug-in file", resolve_kernels(args.kernels)))
+    if getattr(args, "trace", None) and args.command == "show":
+        inputs.append(("the trace file", Path(args.trace)))
+    refuse_inputs(outputs, inputs)
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -127,6 +150,7 @@ def cmd_compare(args) -> int:
     from .compare import run_compare  # noqa: PLC0415
     from .trace import save_trace  # noqa: PLC0415
     from .views.summary import summary, to_json  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json, "--trace": args.trace, "--report": args.report})
     model, ids = model_and_prompt(args)
     res = run_compare(model, ids, settings_from(args), progress=_progress(sys.stderr.isatty()))
     print(summary(res))
@@ -142,12 +166,22 @@ def cmd_compare(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import auto_workers, run_sweep  # noqa: PLC0415
+    from .sweep import SweepInterrupted, auto_workers, run_sweep  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json})
     model, ids = model_and_prompt(args)
     offloads = _int_list(args.offloads) if args.offloads else None
     workers = auto_workers(model, args.device) if args.workers is None else args.workers
-    sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches), _int_list(args.n_seqs_list),
-                   workers=workers)
+    try:
+        sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches),
+                       _int_list(args.n_seqs_list), workers=workers)
+    except SweepInterrupted as stop:           # keep the finished cells, in a file of their own
+        path = Path(args.json or "sweep.json")
+        path = path.with_name(path.stem + ".incomplete.json")
+        _write_json(path, stop.partial)
+        print(f"mamba-debug: interrupted: {stop.partial['cells_done']} of {stop.partial['cells_total']} cells "
+              f"finished, written to {path} (marked incomplete); {args.json or 'no --json output'} left as it was",
+              file=sys.stderr)
+        return 130
     ubs = sw["ubatches"]
     for s in sw["n_seqs"]:
         print(f"first divergence (token/layer) with {s} sequence(s); rows offload, columns ubatch")
@@ -171,6 +205,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_bisect(args) -> int:
     from .sweep import bisect_layer  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json})
     model, ids = model_and_prompt(args)
     out = bisect_layer(model, ids, settings_from(args))
     for r in out["runs"]:
@@ -185,6 +220,8 @@ def cmd_bisect(args) -> int:
 
 def cmd_export_case(args) -> int:
     from .export import export_case  # noqa: PLC0415
+    guard_outputs(args, **{f"--out {args.out}/{n}": Path(args.out) / n
+                           for n in ("inputs.safetensors", "case.json", "test_case.py")})
     model, ids = model_and_prompt(args)
     case = export_case(model, ids, settings_from(args, capture="metrics", free_run=False), args.out)
     print(f"exported {len(case['calls'])} op call(s) of layer {case['layer']} in ubatch {case['ubatch']} to "
@@ -195,6 +232,7 @@ def cmd_export_case(args) -> int:
 def cmd_show(args) -> int:
     from .trace import load_trace  # noqa: PLC0415
     from .views.summary import summary, to_json  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json, "--report": args.report})
     res = load_trace(args.trace)
     print(summary(res))
     if args.json:
@@ -226,6 +264,7 @@ def cmd_list_kernels(args) -> int:
 
 def cmd_export_gguf(args) -> int:
     from .io import describe_gguf, export_gguf, load_model  # noqa: PLC0415
+    guard_outputs(args, **{"--out": args.out})
     model = load_model(args.model)
     out = export_gguf(model, args.out, dtype=args.dtype)
     print(f"# {model!r} -> GGUF {args.dtype}")
@@ -258,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offloads", default=None, help="offload counts (default 0..n_layer+1)")
     p.add_argument("--ubatches", default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")
     p.add_argument("--n-seqs-list", default="1", help="sequence counts (default 1)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_int_at_least("--workers", 1), default=None,
                    help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU)")
     _run_command(sub, "bisect", cmd_bisect, "find the first bad layer by moving the offload boundary")
     p = _run_command(sub, "export-case", cmd_export_case,
@@ -297,15 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Exit 0 clean, 1 diverged, 2 a usage or input error (one line; `--debug` adds the traceback), 130 interrupted."""
+    from .cli_errors import run_guarded, split_debug  # noqa: PLC0415
+    argv, debug = split_debug(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except MambaDebugError as exc:
-        print(f"mamba-debug: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_guarded(args.func, args, debug)
 
 
 if __name__ == "__main__":

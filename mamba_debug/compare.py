@@ -19,13 +19,15 @@ from typing import Optional
 
 import torch
 
+from .arch import model_ops
 from .backends import cpu_backend, cpu_threads_for, device_backend, reference_backend
-from .budget import check_budget, check_gpu_memory
+from .budget import check_budget, check_gpu_memory, check_host_memory
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .model import Model, Runner, check_tokens
 from .settings import K_FLOOR, RunSettings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
 from .accumulate import Accumulator
+from .refcheck import check_reference
 from .sides.base import SharedReference
 from .sides.torch_side import TorchSide
 from .trace import CompareResult, SideInfo, TokenInfo, find_first_divergence, thresholds_from_floor
@@ -54,19 +56,25 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     placement = s.placement(cfg.n_layer)
     tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     check_budget(cfg, s, tokens.shape[1] + s.n_gen)
+    check_host_memory(cfg, s, tokens.shape[1] + s.n_gen)
     ref_device = resolve_ref_device(s.ref_device)
     if ref_device.type == "cuda":
         check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
     t0 = time.perf_counter()
     sides = build_sides(model, s, placement, ref_device, SharedReference(_cache_for(ref_cache, model, tokens, s)))
+    dev = sides["device"]
+    layer_sites = dev.layer_sites() if hasattr(dev, "layer_sites") else [lt.sites for lt in dev.runner.layer_types]
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict(),
                                                   **({"notes": model.notes} if model.notes else {})}, placement=placement,
                         sides={k: v.info for k, v in sides.items() if k in ("ref32", "ref64", "device")},
-                        layer_sites=[lt.sites for lt in sides["device"].runner.layer_types],
+                        layer_sites=layer_sites,
                         tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
     res.observed = {k: sides[k].observed_sites() for k in res.sides}
     with cpu_threads_for(cfg):
         _Loop(model, s, sides).run(tokens, res, progress)
+        if hasattr(sides["device"], "observer_effect"):      # an engine traced from outside: does tracing change it?
+            sides["device"].observer_effect()
+            sides["device"].close()
     res.timings["compare_s"] = time.perf_counter() - t0
     res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
     res.first_divergence = find_first_divergence(res)
@@ -79,7 +87,7 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
     to_host = s.ref_device == "cpu"
     host = cpu_backend(ref_device)
     ref64_backend = reference_backend(ref_device)
-    dev = device_backend(s.kernels, s.device)
+    dev = device_backend(s.kernels, s.device, uses=model_ops(model.config)) if s.engine == "torch" else None
     info = lambda name, b, device: SideInfo(name, b.label, None if name in ("ref32", "ref64") else s.kernels,  # noqa
                                             device)
     ref_is_64 = s.reference_is_float64
@@ -89,6 +97,10 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
         "ref64": TorchSide(info("ref64", ref64_backend, ref_device.type), model, Runner(model, ref64_backend),
                            to_host=to_host, shared=shared, keep_states_before=s.local and ref_is_64),
     }
+    if s.engine == "llama.cpp":
+        from .sides.llamacpp import LlamaCppSide  # noqa: PLC0415 (ctypes and a library: only when asked for)
+        sides["device"] = LlamaCppSide(model, s)
+        return sides
     placed = lambda: Runner(model, host, dev, placement)  # noqa: E731
     sides["device"] = TorchSide(info("device", dev, s.device), model, placed(), to_host=to_host,
                                 prefix_from=sides["ref32"])
@@ -110,12 +122,14 @@ class _Loop:
         self.dev = sides["device"]
         self.shared = sides["ref32"].shared
         self.fork = None
+        self.order = [(i, n) for i, lt in enumerate(sides["ref32"].runner.layer_types) for n in lt.sites]
 
     def run(self, tokens, res: CompareResult, progress):
         S, P = tokens.shape
         for side in self.sides.values():
             side.reset(self.s, S)
-        schedule = [tokens[:, i:i + self.s.ubatch] for i in range(0, P, self.s.ubatch)]
+        B = self.s.ubatch_per_seq(S)          # -ub counts tokens across the sequences (llama.cpp's equal split)
+        schedule = [tokens[:, i:i + B] for i in range(0, P, B)]
         self.sides["ref32"].keep_states_after_from = len(schedule) - 1     # where generated tokens are chosen
         acc = Accumulator(res, self.s)
         fed, pos, nxt = [], 0, None
@@ -140,13 +154,19 @@ class _Loop:
 
     def _step(self, u, chunk, acc: Accumulator):
         out = {name: side.step(chunk) for name, side in self.sides.items()}   # refs first: the others read them
+        for name in ("ref32", "ref64"):                 # a NaN reference is reported, never compared against
+            check_reference(name, self.sides[name].info.label, out[name].sites, out[name].logits, u, self.order)
         extra = {}
         if "repeat" in out and self.dev.has_device:
             extra["repeat"] = out["repeat"].sites
         if "local" in out:
             extra["local"] = out["local"].sites
-        acc.add(out["device"].sites, self.ref.last.sites, out["ref32"].sites, out["ref64"].sites, extra,
-                self.shared.floors(u))
+        v32, v64, vref = out["ref32"].sites, out["ref64"].sites, self.ref.last.sites
+        derive = getattr(self.dev, "reference_sites", None)
+        if derive is not None:          # what the device's op-named nodes should hold, from each reference's sites
+            v32, v64 = ({**v, **derive(v, chunk)} for v in (v32, v64))
+            vref = v64 if self.s.reference_is_float64 else v32
+        acc.add(out["device"].sites, vref, v32, v64, extra, self.shared.floors(u))
         return self.ref.last.logits, out["device"].logits
 
     def _maybe_fork(self, g, ref_next, dev_next):

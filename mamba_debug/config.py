@@ -13,13 +13,21 @@ Glossary (shapes in docstrings and comments use these letters):
     V  vocabulary size (as stored, possibly padded)
     L  n_layer, number of blocks (layers)
 
+Mamba-2 (layer type "mamba2", docs/mamba2.md):
+    H  n_heads, SSM heads (D = H * P)          P  head_dim, channels per head
+    G  n_groups, B/C groups (head h uses group h // (H/G))
+    Q  chunk_size of the chunked SSD form (a numerics choice of kernels, not of the model)
+Attention (layer type "attention", Granite-4.0-H dense hybrids): Ha query heads, Hk key/value heads, Dh head dim;
+F  d_ff, width of the shared SwiGLU feed-forward that follows each mixer (0: none).
+
 States per layer and sequence: conv_state [K-1, D] (the previous K-1 inputs x, oldest first) and
-ssm_state [D, N] (h after the last processed token).
+ssm_state [D, N] (h after the last processed token). Mamba-2: conv_state [K-1, D+2GN] (over xBC),
+ssm_state [H, P, N]. Attention: k_cache, v_cache [tokens so far, Hk, Dh] (they grow by T per ubatch).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -36,6 +44,22 @@ class MambaConfig:
     tie_embeddings: bool = True
     conv_bias: bool = True       # conv1d has a bias (always true in released checkpoints)
     proj_bias: bool = False      # in_proj / out_proj have biases (HF use_bias)
+    # -- beyond Mamba-1 (to_dict leaves them out at these defaults, so Mamba-1 configs read as before) --
+    layer_types: tuple = ()      # per layer, names in arch.LAYER_TYPES; () means all "mamba1"
+    head_dim: int = 0            # P (Mamba-2)
+    n_heads: int = 0             # H (Mamba-2); 0 means d_inner // head_dim
+    n_groups: int = 1            # G (Mamba-2)
+    chunk_size: int = 256        # Q (Mamba-2)
+    n_attn_heads: int = 0        # Ha (attention)
+    n_kv_heads: int = 0          # Hk (attention); 0 means Ha
+    attn_head_dim: int = 0       # Dh (attention); 0 means d_model // Ha
+    attn_bias: bool = False      # q/k/v/o projections have biases
+    d_ff: int = 0                # F: shared SwiGLU feed-forward after each mixer; 0 = none
+    mlp_bias: bool = False
+    embedding_multiplier: float = 1.0   # Granite: h0 = embed * m
+    residual_multiplier: float = 1.0    # Granite: h += m * mixer(...), h += m * ffn(...)
+    attention_multiplier: float = 0.0   # Granite: softmax scale; 0 means 1/sqrt(Dh)
+    logits_scaling: float = 1.0         # Granite: logits / s
 
     def __post_init__(self):
         if self.d_inner == 0:
@@ -48,14 +72,60 @@ class MambaConfig:
                 raise ValueError(f"MambaConfig.{name} must be a positive integer, got {value!r}")
         if self.d_conv < 2:
             raise ValueError(f"MambaConfig.d_conv must be at least 2, got {self.d_conv}")
+        self.layer_types = tuple(self.layer_types) or ("mamba1",) * self.n_layer
+        if len(self.layer_types) != self.n_layer:
+            raise ValueError(f"MambaConfig.layer_types names {len(self.layer_types)} layers but n_layer is "
+                             f"{self.n_layer}; give one type per layer")
+        if "mamba2" in self.layer_types:
+            self._check_mamba2()
+        if "attention" in self.layer_types:
+            self._check_attention()
+
+    def _check_mamba2(self):
+        if self.n_heads and not self.head_dim and self.d_inner % self.n_heads == 0:
+            self.head_dim = self.d_inner // self.n_heads
+        if self.head_dim < 1 or self.d_inner % self.head_dim:
+            raise ValueError(f"MambaConfig.head_dim ({self.head_dim}) must divide d_inner ({self.d_inner}) for "
+                             f"Mamba-2 layers")
+        self.n_heads = self.n_heads or self.d_inner // self.head_dim
+        if self.n_heads * self.head_dim != self.d_inner:
+            raise ValueError(f"MambaConfig: n_heads * head_dim = {self.n_heads} * {self.head_dim} must equal "
+                             f"d_inner = {self.d_inner} (expand * d_model)")
+        if self.n_groups < 1 or self.n_heads % self.n_groups:
+            raise ValueError(f"MambaConfig.n_groups ({self.n_groups}) must divide n_heads ({self.n_heads})")
+        if self.chunk_size < 1:
+            raise ValueError(f"MambaConfig.chunk_size must be a positive integer, got {self.chunk_size}")
+
+    def _check_attention(self):
+        if self.n_attn_heads < 1:
+            raise ValueError("MambaConfig.n_attn_heads must be set (>= 1) for attention layers")
+        self.n_kv_heads = self.n_kv_heads or self.n_attn_heads
+        if self.n_attn_heads % self.n_kv_heads:
+            raise ValueError(f"MambaConfig.n_kv_heads ({self.n_kv_heads}) must divide n_attn_heads "
+                             f"({self.n_attn_heads})")
+        self.attn_head_dim = self.attn_head_dim or self.d_model // self.n_attn_heads
+        if self.attn_head_dim < 1:
+            raise ValueError(f"MambaConfig.attn_head_dim must be positive, got {self.attn_head_dim}")
 
     @property
-    def layer_types(self) -> tuple[str, ...]:
-        """The layer type of each block, by name in `arch.LAYER_TYPES` (a hybrid mixes several)."""
-        return ("mamba1",) * self.n_layer
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: D for Mamba-1; D + 2GN (over xBC) when the model has Mamba-2 layers."""
+        return self.d_inner + 2 * self.n_groups * self.d_state if "mamba2" in self.layer_types else self.d_inner
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field; the fields beyond Mamba-1 only where they differ from their defaults (so a Mamba-1
+        config reads exactly as before they existed)."""
+        out = asdict(self)
+        out["layer_types"] = list(self.layer_types)
+        for f in fields(self)[_FIRST_EXTRA:]:
+            if f.name == "layer_types" and set(self.layer_types) == {"mamba1"}:
+                del out[f.name]
+            elif f.name != "layer_types" and out[f.name] == f.default:
+                del out[f.name]
+        return out
+
+
+_FIRST_EXTRA = [f.name for f in fields(MambaConfig)].index("layer_types")
 
 
 # The name the architecture-agnostic code uses; `MambaConfig` stays for existing callers.

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import ops as ops_module
+from .arch import model_ops
 from .backends import cpu_backend, device_backend
 from .compare import run_compare
 from .errors import MambaDebugError
@@ -56,6 +57,8 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
     in that ubatch, and write inputs.safetensors + case.json + test_case.py into out_dir."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
+    from .safeio import atomic_path, write_text  # noqa: PLC0415
+
     res = result or run_compare(model, prompt_ids, settings)
     fd = res.first_divergence
     if fd is None:
@@ -68,7 +71,7 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
         layer = fd["layer"]
     s = res.settings                                        # validated: the device that really ran
     device = s.device
-    dev = device_backend(s.kernels, device)
+    dev = device_backend(s.kernels, device, uses=model_ops(model.config))
     overridden = sorted(k for k, f in dev.ops.ops.items() if hasattr(f, "__wrapped__")) or list(dev.ops.ops)
     rec = _Recorder(layer, fd["ubatch"], set(overridden))
     host = cpu_backend(resolve_ref_device(s.ref_device))    # the host blocks where the comparison ran them
@@ -90,12 +93,13 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
                                  if k != "states_out"}})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(store, str(out / "inputs.safetensors"))
+    with atomic_path(out / "inputs.safetensors") as tmp:
+        save_file(store, str(tmp))
     kpath = None if s.kernels in (None, "torch") else str(resolve_kernels(s.kernels))
     case = {"layer": layer, "ubatch": fd["ubatch"], "first_divergence": fd, "kernels": s.kernels,
             "kernels_path": kpath, "device": device, "calls": calls, "nmse_limit": 1e-7}
-    (out / "case.json").write_text(json.dumps(case, indent=1, default=str))
-    (out / "test_case.py").write_text(_test_source())
+    write_text(out / "case.json", json.dumps(case, indent=1, default=str))
+    write_text(out / "test_case.py", _test_source())
     return case
 
 

@@ -37,8 +37,10 @@ class Model:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"MambaModel({self.source or 'in memory'}: L={c.n_layer} E={c.d_model} D={c.d_inner} "
-                f"N={c.d_state} K={c.d_conv} R={c.dt_rank} V={c.vocab_size})")
+        kinds = "" if set(c.layer_types) == {"mamba1"} else "+".join(dict.fromkeys(c.layer_types)) + " "
+        extra = f" H={c.n_heads} P={c.head_dim} G={c.n_groups}" if "mamba2" in c.layer_types else f" R={c.dt_rank}"
+        return (f"MambaModel({self.source or 'in memory'}: {kinds}L={c.n_layer} E={c.d_model} D={c.d_inner} "
+                f"N={c.d_state} K={c.d_conv}{extra} V={c.vocab_size})")
 
     def weights(self, backend: Backend) -> dict:
         """Parameters cast once per (device, dtype); shared by every run on that back-end."""
@@ -183,7 +185,7 @@ class Runner:
             raise MambaDebugError(f"ubatch has {tokens.shape[0]} sequences but the runner holds {self.n_seqs}")
         start, h = resume if resume is not None else (0, None)
         if start == 0:
-            h = self.model.weights(self.host)["embed"][tokens.to(self.host.device)]  # get_rows on the host
+            h = self.embed(tokens)
         before = getattr(self.observer, "before_layer", None)
         for i in range(start, self.cfg.n_layer):
             b = self.layer_backends[i]
@@ -192,6 +194,12 @@ class Runner:
                 h, self.states[i] = before(i, h, self.states[i])
             h = self.layer_types[i].layer(self._context(i, b), h)
         return self._head(h, tokens.shape[1])
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """get_rows on the host, times the config's embedding multiplier (Granite) when it is not 1."""
+        h = self.model.weights(self.host)["embed"][tokens.to(self.host.device)]
+        m = self.cfg.embedding_multiplier
+        return h if m == 1.0 else h * m
 
     def _context(self, i: int, b: Backend) -> LayerContext:
         ops = b.ops if not hasattr(self.observer, "op") else _ObservedOps(b.ops, i, self.observer)
@@ -207,6 +215,8 @@ class Runner:
         final = b.ops.rms_norm(h, w["norm_f"], self.cfg.rms_eps)
         self._site(None, MODEL_SITES[0], final)
         logits = b.ops.linear(final, w["lm_head"])
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
         self._site(None, MODEL_SITES[1], logits)
         self.pos += T
         return logits

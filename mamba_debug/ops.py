@@ -1,4 +1,4 @@
-"""The op table of a Mamba-1 layer and its plain-torch implementations.
+"""The op table of the layer types (Mamba-1, Mamba-2, attention) and their plain-torch implementations.
 
 Every op of the layer graph (DESIGN.md "Op plug-ins") is looked up by name in an `OpTable`, so a
 back-end (the float64 reference, the float32 CPU port, or a device plug-in) is just a table.
@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-OP_NAMES = ("rms_norm", "linear", "silu", "ssm_conv", "ssm_scan")
+OP_NAMES = ("rms_norm", "linear", "silu", "ssm_conv", "ssm_scan", "ssd_scan", "rms_norm_gated", "attention")
 
 # softplus switches to the identity above this dt, as llama.cpp and the reference Triton kernels do.
 SOFTPLUS_THRESHOLD = 20.0
@@ -75,15 +75,102 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     return torch.stack(ys, dim=1), h.clone()
 
 
+def _per_head(BC: torch.Tensor, H: int) -> torch.Tensor:
+    """B or C [S, T, G, N] -> [S, T, H, N]: head h reads group h // (H/G) (a contiguous block of heads per group,
+    as mamba_ssm, transformers and llama.cpp since #15625; the tiled h % G was the Codestral bug)."""
+    return BC.repeat_interleave(H // BC.shape[2], dim=2)
+
+
+def ssd_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+             B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None):
+    """Mamba-2 scan, one token after the other (the oracle; the chunked SSD form must agree with it).
+
+    ssm_state [S, H, P, N], x [S, T, H, P], dt [S, T, H] (dt_bias included, before softplus), A [H] (negative),
+    B, C [S, T, G, N] -> (y [S, T, H, P], new_ssm_state [S, H, P, N]). With δ = softplus(dt), g = h // (H/G):
+    S_h ← exp(δ_h A_h) S_h + δ_h x_h ⊗ B_g ;  y_h = S_h C_g. D, the gate and the norm stay outside.
+    When states_out [S, T, H, P, N] is given, every S_t is written into it.
+    """
+    H = x.shape[2]
+    delta = softplus(dt)                                            # [S, T, H]
+    Bh, Ch = _per_head(B, H), _per_head(C, H)                       # [S, T, H, N]
+    decay = torch.exp(delta * A)                                    # [S, T, H]
+    h = ssm_state
+    ys = []
+    for t in range(x.shape[1]):
+        dx = (delta[:, t, :, None] * x[:, t])[..., None]            # [S, H, P, 1]
+        h = decay[:, t, :, None, None] * h + dx * Bh[:, t, :, None, :]
+        ys.append((h * Ch[:, t, :, None, :]).sum(-1))               # [S, H, P]
+        if states_out is not None:
+            states_out[:, t] = h
+    return torch.stack(ys, dim=1), h.clone()
+
+
+def ssd_scan_chunked(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                     B: torch.Tensor, C: torch.Tensor, *, chunk_size: int = 256,
+                     states_out: torch.Tensor | None = None):
+    """The same contract as `ssd_scan`, computed the way the chunked kernels do (docs/mamba2.md, "SSD"): per chunk
+    of Q tokens, Λ = cumsum(δA); y = Σ_{s≤t} (C_t·B_s) e^{Λ_t-Λ_s} δ_s x_s + e^{Λ_t} C_t·S̄; the state passed on is
+    e^{Λ_last} S̄ + Σ_s e^{Λ_last-Λ_s} δ_s x_s ⊗ B_s. The last chunk may be short. Exact in float64."""
+    S, T, H, P = x.shape
+    delta = softplus(dt)
+    Bh, Ch = _per_head(B, H), _per_head(C, H)
+    h = ssm_state
+    ys = []
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(c0 + chunk_size, T))
+        d, xs, Bc, Cc = delta[:, sl], x[:, sl], Bh[:, sl], Ch[:, sl]
+        lam = torch.cumsum(d * A, dim=1)                            # [S, L, H]
+        L = lam.shape[1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+        seg = (lam[:, :, None, :] - lam[:, None, :, :]).masked_fill(~causal, float("-inf"))
+        M = torch.einsum("sthn,suhn->stuh", Cc, Bc) * torch.exp(seg) * d[:, None]   # [S, t, s, H]
+        y = torch.einsum("stuh,suhp->sthp", M, xs) + torch.einsum("sthn,shpn->sthp", Cc * torch.exp(lam)[..., None], h)
+        if states_out is not None:
+            w = torch.exp(seg) * d[:, None]                          # [S, t, s, H]
+            states_out[:, sl] = (torch.einsum("stuh,suhp,suhn->sthpn", w, xs, Bc)
+                                 + torch.exp(lam)[..., None, None] * h[:, None])
+        w_last = torch.exp(lam[:, -1:] - lam) * d                    # [S, L, H]
+        h = torch.exp(lam[:, -1])[..., None, None] * h + torch.einsum("suh,suhp,suhn->shpn", w_last, xs, Bc)
+        ys.append(y)
+    return torch.cat(ys, dim=1), h.clone()
+
+
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int) -> torch.Tensor:
+    """Mamba-2's gated norm, gate then norm: v = x * silu(z), RMS-normalised within each of n_groups contiguous
+    groups of the last dim, times weight. x, z [..., Dn], weight [Dn] -> [..., Dn]."""
+    v = x * silu(z)
+    g = v.unflatten(-1, (n_groups, v.shape[-1] // n_groups))
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return g.flatten(-2) * weight
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention of T new queries over a sequence's cache (no positional encoding).
+
+    q [S, T, Hq, Dh], k_cache [S, Tk, Hk, Dh], v_cache [S, Tk, Hk, Dv] whose last T rows are the new tokens
+    -> [S, T, Hq, Dv]. Query t sits at position Tk-T+t and sees cache rows <= it; query head h reads kv head
+    h // (Hq/Hk). softmax(scale * q·k) · v."""
+    T, Hq, Tk = q.shape[1], q.shape[2], k_cache.shape[1]
+    k = k_cache.repeat_interleave(Hq // k_cache.shape[2], dim=2)
+    v = v_cache.repeat_interleave(Hq // v_cache.shape[2], dim=2)
+    scores = torch.einsum("sthd,sjhd->shtj", q, k) * scale        # [S, Hq, T, Tk]
+    pos = torch.arange(T, device=q.device)[:, None] + (Tk - T)
+    scores = scores.masked_fill(torch.arange(Tk, device=q.device)[None, :] > pos, float("-inf"))
+    return torch.einsum("shtj,sjhd->sthd", torch.softmax(scores, dim=-1), v)
+
+
 def output_contract(op: str, args: tuple) -> list:
     """Each output's expected (shape, dtype, device), from an op's inputs: what a plug-in's op must return."""
-    if op in ("rms_norm", "silu"):
+    if op in ("rms_norm", "silu", "rms_norm_gated"):
         x = args[0]
         return [(x.shape, x.dtype, x.device)]
     if op == "linear":
         x, w = args[0], args[1]
         return [(x.shape[:-1] + (w.shape[0],), x.dtype, x.device)]
-    if op in ("ssm_conv", "ssm_scan"):
+    if op == "attention":
+        q, v = args[0], args[2]
+        return [(q.shape[:-1] + v.shape[-1:], q.dtype, q.device)]
+    if op in ("ssm_conv", "ssm_scan", "ssd_scan"):
         state, x = args[0], args[1]
         return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
     raise KeyError(op)
@@ -91,6 +178,7 @@ def output_contract(op: str, args: tuple) -> list:
 
 TORCH_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm, "linear": linear, "silu": silu, "ssm_conv": ssm_conv, "ssm_scan": ssm_scan,
+    "ssd_scan": ssd_scan, "rms_norm_gated": rms_norm_gated, "attention": attention,
 }
 
 
@@ -103,6 +191,14 @@ def example_inputs(op: str, *, S: int = 2, T: int = 16, D: int = 64, N: int = 8,
     if op == "ssm_scan":
         return (torch.zeros(S, D, N, dtype=dtype), r(S, T, D), r(S, T, D) - 2,
                 -torch.rand(D, N, generator=g, dtype=dtype) - 0.5, r(S, T, N), r(S, T, N))
+    if op == "ssd_scan":                                   # D = H * P with P = 8, G = 2 groups
+        H, G = D // 8, 2
+        return (torch.zeros(S, H, 8, N, dtype=dtype), r(S, T, H, 8), r(S, T, H) - 2,
+                -torch.rand(H, generator=g, dtype=dtype) - 0.5, r(S, T, G, N), r(S, T, G, N))
+    if op == "rms_norm_gated":
+        return r(S, T, D), r(S, T, D), 1 + 0.1 * r(D), 1e-5, 2
+    if op == "attention":
+        return r(S, T, 4, 8), r(S, T + 3, 2, 8), r(S, T + 3, 2, 8), 8 ** -0.5
     if op == "ssm_conv":
         return r(S, K - 1, D), r(S, T, D), r(D, K) / K ** 0.5
     if op == "rms_norm":
@@ -115,7 +211,7 @@ def example_inputs(op: str, *, S: int = 2, T: int = 16, D: int = 64, N: int = 8,
 
 
 class OpTable:
-    """A named mapping op name -> callable; `supports_states_out` says whether ssm_scan fills states_out."""
+    """A named mapping op name -> callable; `supports_states_out` says whether ssm_scan/ssd_scan fill states_out."""
 
     def __init__(self, name: str, ops: Mapping[str, Callable], supports_states_out: bool = True):
         missing = [op for op in OP_NAMES if op not in ops]

@@ -25,6 +25,7 @@ import torch
 
 from .errors import PluginError
 from .ops import OP_NAMES, output_contract
+from .isolation import changed_inputs, snapshot_inputs
 from .triton_env import exec_file, set_mode
 
 KERNELS_DIR = Path(os.environ.get("MAMBA_DEBUG_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels"))
@@ -108,8 +109,11 @@ def _exec_plugin(path: Path, device: str) -> Plugin:
     _LOADING_DEVICE.append(device)
     try:
         module = exec_file(path, mod_name)
-    except Exception as exc:
-        raise PluginError(f"plug-in {path}: failed to load ({type(exc).__name__}: {exc})") from exc
+    except PluginError:
+        raise
+    except (Exception, SystemExit) as exc:     # a plug-in that calls sys.exit() at load is an error, not an exit
+        raise PluginError(f"plug-in {path}: failed to load ({type(exc).__name__}: {exc}); fix the file or choose "
+                          f"another --kernels") from exc
     finally:
         _LOADING_DEVICE.pop()
     ops = getattr(module, "OPS", None)
@@ -149,12 +153,17 @@ def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         # shapes: only formatted for a message (this wrapper runs on every op call of the device side)
         shapes = _Shapes(args)
+        before = snapshot_inputs(args, kwargs)
         try:
             result = fn(*args, **kwargs)
         except PluginError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:   # sys.exit() inside an op must not end the run as "clean"
             raise PluginError(f"plug-in {plugin}: op {op}({shapes}) raised {type(exc).__name__}: {exc}") from exc
+        changed = changed_inputs(before, args, kwargs)
+        if changed:
+            raise PluginError(f"plug-in {plugin}: op {op}({shapes}) wrote into its input(s) {', '.join(changed)}; "
+                              f"ops must return new tensors and leave their inputs as they were")
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
         expected = output_contract(op, args)
         if len(outs) != len(expected):

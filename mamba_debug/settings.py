@@ -4,8 +4,8 @@ The command line builds its flags from the fields' metadata (`cli.add_settings_f
 build `RunSettings` directly; a sweep cell is `replace(base, offload=o, ubatch=u)`. Frozen and hashable, so the
 dashboard's cache key is simply (prompt, settings).
 
-`ubatch` keeps today's meaning here: tokens of each sequence per ubatch (DESIGN.md's llama.cpp meaning, tokens across
-all sequences, comes with the llama.cpp side, as DESIGN.md's execution model says).
+`ubatch` is llama.cpp's -ub: tokens across all sequences; a ubatch holds `ubatch // n_seqs` tokens of each sequence
+(llama.cpp's equal split; `ubatch_per_seq`).
 """
 from __future__ import annotations
 
@@ -19,12 +19,14 @@ from .arch import all_sites
 from .config import ModelConfig
 from .errors import MambaDebugError
 from .placement import RULES, Placement
+from .settings_checks import check_numbers
 
 DEFAULT_UBATCH = 512
 DEVICES = ("cuda", "interpret", "cpu")
 REF_DEVICES = ("cpu", "cuda")
 REFERENCES = ("float32", "float64")
 CAPTURE_POLICIES = ("all", "sites", "metrics")
+ENGINES = ("torch", "llama.cpp")
 # A site diverges when rel_l2(dev, ref) > K_FLOOR * max(floor, MIN_FLOOR) (trace.py): two float32 implementations
 # that differ only in the order of operations sit near 1-2x the floor; real bugs 100x-1e8x.
 K_FLOOR = 10.0
@@ -68,6 +70,18 @@ class RunSettings:
         "also measure each device layer's own (local) error", commands="compare", parse="store_true"))
     repeat: int = field(default=1, metadata=_flag(
         ">= 2: run the device twice, report nondeterminism", commands="compare", parse="int"))
+    engine: str = field(default="torch", metadata=_flag(
+        "the device side: torch (the Triton kernels / a plug-in) or llama.cpp (a llama.cpp build, traced)",
+        choices=ENGINES))
+    llama_lib: Optional[str] = field(default=None, metadata=_flag(
+        "--engine llama.cpp: folder holding libllama.so and its ggml libraries (default: LLAMA_CPP_LIB_PATH, else "
+        "llama-cpp-python's)"))
+    op_offload: bool = field(default=True, metadata=_flag(
+        "--engine llama.cpp: switch off op offload (big-batch ops of CPU layers sent to the GPU)", flag="--no-op-offload",
+        parse="store_false"))
+    fp32_everywhere: bool = field(default=False, metadata=_flag(
+        "--engine llama.cpp: set every switch that keeps float32 paths in FP32 (NVIDIA_TF32_OVERRIDE=0, ...)",
+        parse="store_true"))
     free_run: bool = True                # also let the device side generate on its own (text view); no flag
 
     def __post_init__(self):
@@ -85,6 +99,7 @@ class RunSettings:
     def validated(self, cfg: ModelConfig) -> "RunSettings":
         """The one check of every field against the model; returns the settings with offload and device resolved
         (offload None -> every block and the head, like -ngl 99; device None -> cuda or interpret)."""
+        check_numbers(self)                 # finite, typed, in range: before any comparison with them
         if not isinstance(self.ubatch, int) or self.ubatch < 1:
             raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {self.ubatch!r}")
         if not isinstance(self.n_seqs, int) or self.n_seqs < 1:
@@ -103,18 +118,32 @@ class RunSettings:
         for layer in self.capture_layers or ():
             if not 0 <= int(layer) < cfg.n_layer:
                 raise MambaDebugError(f"capture layer {layer} out of range 0..{cfg.n_layer - 1}")
+        if self.engine not in ENGINES:
+            raise MambaDebugError(f"unknown engine {self.engine!r}: choose one of {ENGINES}")
+        if self.engine == "llama.cpp" and self.ubatch + 1 < self.n_seqs:
+            raise MambaDebugError(f"--engine llama.cpp with --ubatch {self.ubatch} and --n-seqs {self.n_seqs}: llama.cpp "
+                                  f"then puts only {self.ubatch + 1} of the sequences in a ubatch, a schedule "
+                                  f"mamba-debug does not run yet; use --ubatch >= {self.n_seqs - 1}")
+        if self.engine == "llama.cpp" and self.repeat > 1:
+            raise MambaDebugError("--repeat runs the torch device side again; with --engine llama.cpp it is not "
+                                  "available yet (the side reports its observer effect instead)")
         if self.repeat < 1:
             raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
         if self.k_floor <= 1:
             raise MambaDebugError(f"k_floor must be > 1 (a multiple of the rounding floor), got {self.k_floor}")
-        offload = cfg.n_layer + 1 if self.offload is None else self.offload
-        out = dataclasses.replace(self, offload=offload, device=resolve_device(self.device))
+        offload = cfg.n_layer + 1 if self.offload is None else self.offload   # beyond the blocks: all (-ngl 99)
+        device = (self.device or "cpu") if self.engine == "llama.cpp" else resolve_device(self.device)
+        out = dataclasses.replace(self, offload=offload, device=device)
         out.placement(cfg.n_layer)          # checks offload and rule
         return out
 
     def placement(self, n_layer: int) -> Placement:
         """The one place a Placement is made (offload None: every block and the head)."""
         return Placement(n_layer, n_layer + 1 if self.offload is None else self.offload, self.rule)
+
+    def ubatch_per_seq(self, n_seqs: Optional[int] = None) -> int:
+        """Tokens of each sequence in one ubatch: llama.cpp's equal split of -ub over the sequences."""
+        return max(1, self.ubatch // (n_seqs or self.n_seqs))
 
     @property
     def reference_is_float64(self) -> bool:

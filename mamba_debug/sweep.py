@@ -56,21 +56,40 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
     if workers > 1 and not _reloadable(model):
         raise MambaDebugError("a parallel sweep reloads the model in each worker, so it needs a model loaded from a "
                               "path (md.load_model); use workers=1 for a model built in memory")
-    if workers > 1:
-        cells = _parallel(model.source, list(prompt_ids), jobs, workers, bar)
-    else:
-        cache: dict = {}
-        cells = []
-        for settings in jobs:
-            bar.set_postfix_str(f"S={settings.n_seqs} ub={settings.ubatch} ngl={settings.offload}")
-            cells.append(sweep_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
-            bar.update()
+    cells: list = []
+    try:
+        if workers > 1:
+            _parallel(model.source, list(prompt_ids), jobs, workers, bar, cells)
+        else:
+            cache: dict = {}
+            for settings in jobs:
+                bar.set_postfix_str(f"S={settings.n_seqs} ub={settings.ubatch} ngl={settings.offload}")
+                cells.append(sweep_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
+                bar.update()
+    except KeyboardInterrupt:
+        bar.close()
+        raise SweepInterrupted(_grid_cells(grid, runs, cells, L, base, partial=True) | {
+            "offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
+            "incomplete": True, "seconds": time.perf_counter() - t0, "workers": workers}) from None
     bar.close()
-    done = {(c["n_seqs"], c["ubatch"], c["offload"]): c for c in cells}
-    cells = [done[(s, u, o)] if runs[o] == o else _same_as(done[(s, u, runs[o])], o, L, base)
-             for s, u, o in grid]
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
-            "cells": cells, "seconds": time.perf_counter() - t0, "workers": workers}
+            "cells": _grid_cells(grid, runs, cells, L, base)["cells"], "seconds": time.perf_counter() - t0,
+            "workers": workers}
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C / SIGTERM during a sweep; `partial` holds the finished cells (marked incomplete)."""
+
+    def __init__(self, partial: dict):
+        super().__init__("sweep interrupted")
+        self.partial = partial
+
+
+def _grid_cells(grid, runs, cells, L, base, partial=False) -> dict:
+    done = {(c["n_seqs"], c["ubatch"], c["offload"]): c for c in cells}
+    out = [done[(s, u, o)] if runs[o] == o else _same_as(done[(s, u, runs[o])], o, L, base)
+           for s, u, o in grid if not partial or (s, u, runs[o]) in done]
+    return {"cells": out, "cells_done": len(out), "cells_total": len(grid)} if partial else {"cells": out}
 
 
 def _cost(s: RunSettings, n_layer: int, n_prompt: int) -> int:
@@ -124,7 +143,13 @@ def _worker_cell(source: str, prompt_ids: list, settings: RunSettings) -> dict:
     return sweep_cell(run_compare(_WORKER["model"], prompt_ids, settings, ref_cache=_WORKER["cache"]))
 
 
-def _parallel(source, prompt_ids, jobs, workers, bar) -> list:
+def _worker_init():
+    """Workers leave Ctrl-C to the parent, which keeps their finished cells and stops them."""
+    import signal  # noqa: PLC0415
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _parallel(source, prompt_ids, jobs, workers, bar, cells: list) -> list:
     import multiprocessing  # noqa: PLC0415
     from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
 
@@ -133,13 +158,26 @@ def _parallel(source, prompt_ids, jobs, workers, bar) -> list:
     ctx = multiprocessing.get_context("spawn")
     env_before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
+    futures: list = []
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = [pool.submit(_worker_cell, source, prompt_ids, s) for s in jobs]
-            cells = []
-            for f in futures:          # in grid order; the bar moves as they finish
-                cells.append(f.result())
-                bar.update()
+        futures = [pool.submit(_worker_cell, source, prompt_ids, s) for s in jobs]
+        for f in futures:          # in grid order; the bar moves as they finish
+            cells.append(f.result())
+            bar.update()
+        pool.shutdown()
+    except BaseException:
+        # Ctrl-C, SIGTERM or a failed cell: keep the cells that finished, stop the workers now (a plain shutdown
+        # would wait for every running cell)
+        cells.extend(f.result() for f in futures[len(cells):] if f.done() and not f.cancelled()
+                     and f.exception() is None)
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+        raise
     finally:
         if env_before is None:
             os.environ.pop("OMP_NUM_THREADS", None)

@@ -40,6 +40,7 @@ class SideInfo:
     kernels: Optional[str]
     device: str               # "cpu" | "interpret" | "cuda"
     engine: str = "torch"
+    extra: Optional[dict] = None   # engine details: llama.cpp's library, version, devices, nodes (node -> backend)
 
 
 @dataclass
@@ -183,10 +184,11 @@ def save_trace(res: CompareResult, path) -> Path:
             "trace_tokens": {_key(k): v for k, v in res.trace_tokens.items()},
             "nondeterminism": res.nondeterminism, "generations": res.generations,
             "perplexity": res.perplexity, "timings": res.timings}
+    from .safeio import atomic_path  # noqa: PLC0415
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": TRACE_FORMAT, "version": str(TRACE_VERSION),
-                                            "result": json.dumps(meta, default=str)})
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": TRACE_FORMAT, "version": str(TRACE_VERSION),
+                                               "result": json.dumps(meta, default=str)})
     return path
 
 
@@ -205,7 +207,17 @@ def load_trace(path) -> CompareResult:
     if header.get("version") != str(TRACE_VERSION):
         raise MambaDebugError(f"{path}: trace format version {header.get('version')} but this mamba-debug reads "
                               f"version {TRACE_VERSION}; re-run the comparison with this version to get a new trace")
-    meta = json.loads(header["result"])
+    try:
+        return _from_file(json.loads(header["result"]), tensors, path)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise MambaDebugError(f"{path}: damaged trace file ({type(exc).__name__}: {exc}); re-run the comparison to "
+                              f"get a new trace") from exc
+
+
+def _from_file(meta, tensors: dict, path) -> CompareResult:
+    from .settings_checks import check_numbers  # noqa: PLC0415
+    from .trace_checks import check_meta, check_result  # noqa: PLC0415
+    check_meta(meta, tensors, path)
     res = CompareResult(settings=RunSettings(**meta["settings"]), model_info=meta["model_info"],
                         placement=Placement(*meta["placement"]),
                         sides={k: SideInfo(**v) for k, v in meta["sides"].items()},
@@ -230,5 +242,7 @@ def load_trace(path) -> CompareResult:
     res.trace_tokens = {_unkey(k): v for k, v in meta["trace_tokens"].items()}
     res.nondeterminism, res.generations = meta["nondeterminism"], meta["generations"]
     res.perplexity, res.timings = meta["perplexity"], meta["timings"]
+    check_numbers(res.settings)
+    check_result(res, path)
     res.first_divergence = find_first_divergence(res)
     return res

@@ -20,8 +20,11 @@ def random_params(cfg: MambaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     params = {}
     for name, shape in param_shapes(cfg).items():
         leaf = name.split(".")[-1]
-        if leaf in ("norm", "norm_f"):
+        if leaf in ("norm", "norm_f", "ssm_norm", "ffn_norm"):
             t = 1 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+        elif leaf == "A" and len(shape) == 1:                         # Mamba-2: one A per head
+            a_log = torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float64))
+            t = -torch.exp(a_log + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64))
         elif leaf == "A":
             a_log = torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float64)).expand(shape)
             t = -torch.exp(a_log + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64))

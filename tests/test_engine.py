@@ -159,7 +159,7 @@ def test_memory_estimate_matches_the_kept_trace(model, reference, nbytes):
     c, n_tok = model.config, res.tokens.shape[1]
     el = site_elements(c)
     estimate = nbytes * 2 * n_tok * (c.n_layer * sum(el[s] for s in layer_sites(c)) + el["final_norm"] + el["logits"])
-    n_ubatches = -(-len(PROMPT) // 4) + 4                       # the prompt in ubatches of 4, then 4 generated
+    n_ubatches = -(-len(PROMPT) // (4 // 2)) + 4                # -ub 4 over 2 sequences: 2 tokens of each, then 4 generated
     conv_state_rows = nbytes * 2 * c.n_layer * (c.d_conv - 1) * c.d_inner * n_ubatches
     assert kept == estimate + conv_state_rows
     settings = dict(capture="all", n_seqs=2, reference=reference)

@@ -8,7 +8,8 @@ Each expectation entry runs `run_compare` on a small random model (4 layers, d_m
                                  "site": str, "token": int, "seq": int (optional)},
      optional: "n_gen" (default 4), "prompt_len" (default 40; the first tokens of PROMPT), "repeat" (default 1),
                "nondeterministic": bool (needs repeat >= 2),
-               "model": {"dt_bias": value} (dt_bias set to value on every 16th channel of every layer)}
+               "model": {"dt_bias": value} (dt_bias set to value on every 16th channel of every layer)
+                        {"arch": "mamba2" | "hybrid"} (a random Mamba-2 or Granite-style hybrid model instead)}
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from conftest import random_model
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 BUG_FILES = sorted(KERNELS.glob("bug_*.py"))
 N_LAYER, D_MODEL = 4, 32
-PROMPT = [(7 * i * i + 3 * i + 1) % 61 for i in range(40)]     # 40 varied ids (vocab 61)
+PROMPT = [(7 * i * i + 3 * i + 1) % 61 for i in range(160)]    # varied ids (vocab 61); 40 unless prompt_len
 BUG_KEYS = {"bug", "incident", "symptom", "expect"}
 DIVERGENCE_KEYS = {"layer_from_boundary", "layer", "site", "token", "seq"}
 ENTRY_KEYS = {"settings", "first_divergence", "n_gen", "prompt_len", "repeat", "nondeterministic", "model"}
@@ -53,7 +54,11 @@ def _cases():
 
 
 @functools.lru_cache(maxsize=None)
-def _model(dt_bias: float | None = None):
+def _model(dt_bias: float | None = None, arch: str = "mamba1"):
+    if arch != "mamba1":        # Mamba-2 (8 heads of 8, 2 groups) or a Granite-style hybrid (attention at 1 and 3)
+        from test_mamba2 import MODELS
+        return MODELS[arch](0, d_model=D_MODEL, n_layer=N_LAYER, vocab_size=61, head_dim=8, n_groups=2,
+                            **({"layer_types": ("mamba2",) * N_LAYER} if arch == "mamba2" else {}))
     model = random_model(0, n_layer=N_LAYER, d_model=D_MODEL)
     if dt_bias is not None:
         for i in range(N_LAYER):
@@ -64,11 +69,12 @@ def _model(dt_bias: float | None = None):
 _REF_CACHES: dict = {}   # one shared reference cache per model: the reference side does not depend on the kernels
 
 
-def _compare(kernels: str, settings: dict, *, n_gen=4, prompt_len=40, repeat=1, dt_bias=None):
+def _compare(kernels: str, settings: dict, *, n_gen=4, prompt_len=40, repeat=1, dt_bias=None, arch="mamba1"):
     s = CompareSettings(**{"n_gen": n_gen, "repeat": repeat, **settings, "kernels": kernels, "device": DEVICE,
                            "capture": "metrics", "free_run": False})
     t0 = time.perf_counter()
-    res = run_compare(_model(dt_bias), PROMPT[:prompt_len], s, ref_cache=_REF_CACHES.setdefault(dt_bias, {}))
+    res = run_compare(_model(dt_bias, arch), PROMPT[:prompt_len], s,
+                      ref_cache=_REF_CACHES.setdefault((dt_bias, arch), {}))
     TIMINGS[f"{Path(kernels).stem} {settings}"] = time.perf_counter() - t0
     return res
 
@@ -114,7 +120,8 @@ def test_gallery_has_at_least_ten_variants_with_metadata():
 def test_variant_shows_its_expected_first_divergence(path, index):
     entry = load_plugin(str(path), DEVICE).bug["expect"][index]
     res = _compare(str(path), entry["settings"], n_gen=entry.get("n_gen", 4), prompt_len=entry.get("prompt_len", 40),
-                   repeat=entry.get("repeat", 1), dt_bias=(entry.get("model") or {}).get("dt_bias"))
+                   repeat=entry.get("repeat", 1), dt_bias=(entry.get("model") or {}).get("dt_bias"),
+                   arch=(entry.get("model") or {}).get("arch", "mamba1"))
     fd, want = res.first_divergence, entry["first_divergence"]
     context = f"{path.stem} {entry['settings']} ({res.placement.describe()}): got {_where(fd)}, expected {want}"
     if want is None:

@@ -209,7 +209,7 @@ def test_missing_tensor(monkeypatch, tmp_path):
         load_gguf(path)
 
 
-@pytest.mark.parametrize("arch, words", [("mamba2", "Mamba-2"), ("llama", "'llama'")])
+@pytest.mark.parametrize("arch, words", [("nemotron_h", "Nemotron-H"), ("llama", "'llama'")])
 def test_wrong_architecture(monkeypatch, tmp_path, arch, words):
     monkeypatch.setattr(io_gguf, "ARCH", arch)
     path = export_gguf(random_model(), tmp_path / f"{arch}.gguf")

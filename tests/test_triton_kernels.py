@@ -134,7 +134,7 @@ def nan_outputs(plugin, monkeypatch):
 def test_plugin_metadata(plugin, kern):
     assert plugin.name == "triton"
     assert plugin.supports_states_out
-    assert set(kern) == {"ssm_conv", "ssm_scan"}
+    assert set(kern) == {"ssm_conv", "ssm_scan", "ssd_scan", "rms_norm_gated"}   # Mamba-2: triton_mamba2.py
     assert list_kernels()["triton"] == plugin.description != ""
     assert plugin.module.INTERPRET == (DEVICE != "cuda")
 

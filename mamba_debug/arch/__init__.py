@@ -4,9 +4,11 @@ from __future__ import annotations
 from ..config import ModelConfig
 from ..errors import MambaDebugError
 from .base import MODEL_SITES, LayerContext, LayerType, SiteKey, StateSpec
+from .attention import Attention
 from .mamba1 import Mamba1
+from .mamba2 import Mamba2
 
-LAYER_TYPES: dict = {"mamba1": Mamba1()}
+LAYER_TYPES: dict = {"mamba1": Mamba1(), "mamba2": Mamba2(), "attention": Attention()}
 
 
 def layer_type(cfg: ModelConfig, i: int) -> LayerType:
@@ -14,14 +16,21 @@ def layer_type(cfg: ModelConfig, i: int) -> LayerType:
     if name not in LAYER_TYPES:
         raise MambaDebugError(f"layer {i} has type {name!r}, which mamba-debug does not know; "
                               f"known: {', '.join(LAYER_TYPES)}")
-    return LAYER_TYPES[name]
+    lt = LAYER_TYPES[name]
+    return lt.for_config(cfg) if hasattr(lt, "for_config") else lt
+
+
+def _distinct_types(cfg: ModelConfig) -> list:
+    """The layer types of this config, each once, in order of first use."""
+    first = {name: i for i, name in reversed(list(enumerate(cfg.layer_types)))}
+    return [layer_type(cfg, i) for i in sorted(first.values())]
 
 
 def layer_sites(cfg: ModelConfig) -> tuple:
     """Every site name a block of this model can report, in graph order (the union over its layer types)."""
     out = []
-    for name in dict.fromkeys(cfg.layer_types):
-        out += [s for s in LAYER_TYPES[name].sites if s not in out]
+    for lt in _distinct_types(cfg):
+        out += [s for s in lt.sites if s not in out]
     return tuple(out)
 
 
@@ -47,10 +56,18 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def site_elements(cfg: ModelConfig) -> dict:
     """Elements per token and sequence of each layer site (the largest over the layer types) and the head's."""
     out: dict = {}
-    for name in dict.fromkeys(cfg.layer_types):
-        for k, v in LAYER_TYPES[name].site_elements(cfg).items():
+    for lt in _distinct_types(cfg):
+        for k, v in lt.site_elements(cfg).items():
             out[k] = max(out.get(k, 0), v)
     return {**out, "final_norm": cfg.d_model, "logits": cfg.vocab_size}
+
+
+def model_ops(cfg: ModelConfig) -> tuple:
+    """Every op name a model of this config calls (its layer types' and the head's), in first-use order."""
+    out = {}
+    for lt in _distinct_types(cfg):
+        out.update(dict.fromkeys(lt.ops))
+    return tuple(dict.fromkeys([*out, "rms_norm", "linear"]))
 
 
 def layer_site_elements(cfg: ModelConfig) -> list:
@@ -59,4 +76,4 @@ def layer_site_elements(cfg: ModelConfig) -> list:
 
 
 __all__ = ["LAYER_TYPES", "MODEL_SITES", "LayerContext", "LayerType", "SiteKey", "StateSpec", "all_sites",
-           "layer_site_elements", "layer_sites", "layer_type", "param_shapes", "site_elements", "site_order"]
+           "layer_site_elements", "layer_sites", "layer_type", "model_ops", "param_shapes", "site_elements", "site_order"]

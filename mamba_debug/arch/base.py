@@ -1,6 +1,6 @@
 """What every layer type declares, and what one block sees while it runs (the layer-type seam).
 
-A `LayerType` (Mamba-1 today; Mamba-2 and attention next) names its sites in graph order, its states, the ops it
+A `LayerType` (Mamba-1, Mamba-2, attention) names its sites in graph order, its states, the ops it
 calls and the parameter shapes a config implies, and runs one block in `layer(ctx, h)`. The Runner (model.py)
 knows none of this: it allocates each block's states from the `StateSpec`s, hands the block a `LayerContext`, and
 carries the hidden state from block to block.
@@ -24,10 +24,13 @@ class StateSpec:
     """One recurrent state of a block, per sequence: `shape(cfg)` without the leading S.
 
     per_token: the op can also hand out this state after every token (ssm_scan's `states_out`), so the tracer can
-    compare it token by token instead of at ubatch ends only."""
+    compare it token by token instead of at ubatch ends only.
+    grows: the first dim of `shape` is tokens (0 at the start): the state is allocated empty and the layer
+    appends T rows per ubatch (an attention KV cache); the Runner treats it like any other state."""
     name: str
     shape: Callable[[ModelConfig], tuple]
     per_token: bool = False
+    grows: bool = False
 
 
 @dataclass
@@ -49,6 +52,9 @@ class LayerType(Protocol):
     sites: tuple                                # graph order: the public vocabulary of traces and reports
     states: tuple                               # StateSpecs
     ops: tuple                                  # op names it calls; each has its contract in ops.py
+
+    # optional: for_config(cfg) -> the variant a config needs (Mamba-2 with or without the shared feed-forward);
+    # `arch.layer_type` calls it, so sites may depend on the config
 
     def param_shapes(self, cfg: ModelConfig) -> dict: ...      # names without "layers.{i}."
 

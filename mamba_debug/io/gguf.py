@@ -23,6 +23,7 @@ is in `model.notes`. `export_gguf(model, path, dtype)` writes f32, f16, bf16 or 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,10 @@ import torch
 from ..arch import param_shapes
 from ..config import MambaConfig
 from ..errors import CheckpointError, MambaDebugError
+from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel
+from .gguf_header import check_gguf_header
+from .gguf_header import check_gguf_header
 from .gguf_vocab import add_vocab, read_tokenizer, tokenizer_vocab
 from .weights import check_params
 
@@ -84,6 +88,8 @@ def load_gguf(path) -> MambaModel:
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: starts with {magic!r}, not b'GGUF'; the file is damaged or not a GGUF "
                               f"file (re-download or re-export it)")
+    check_gguf_header(path)                  # counts and lengths against the file size, before the library
+    check_gguf_header(path)                  # counts and lengths against the file size, before the library
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # the gguf library raises ValueError/IndexError/... deep inside on damaged files
@@ -118,8 +124,8 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
     arch = _field(reader, "general.architecture", path)
     if arch != ARCH:
         kind = OTHER_GGUF_ARCHS.get(arch, f"a model of architecture {arch!r}")
-        raise CheckpointError(f"{path}: general.architecture is {arch!r} ({kind}); mamba-debug reads Mamba-1 GGUFs "
-                              f"(architecture 'mamba') only, {arch!r} is not supported yet")
+        raise CheckpointError(f"{path}: general.architecture is {arch!r} ({kind}); mamba-debug reads GGUFs of "
+                              f"architecture 'mamba', 'mamba2' and 'granitehybrid'; {arch!r} is not supported yet")
     if _field(reader, f"{ARCH}.ssm.dt_b_c_rms", path, required=False):
         raise CheckpointError(f"{path}: mamba.ssm.dt_b_c_rms is true, i.e. FalconMamba (Mamba-1 with RMS norms on "
                               f"dt, B and C); mamba-debug does not support FalconMamba yet")
@@ -141,6 +147,14 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
                               f"(re-export it with `mamba-debug export-gguf` or convert_hf_to_gguf.py)")
     V = int(by_name["token_embd.weight"].shape[-1])           # ne = {E, V}
     tied = "output.weight" not in by_name
+    dims = {"d_model": E, "n_layer": L, "vocab_size": V, "d_state": N, "d_conv": K, "d_inner": D, "dt_rank": R,
+            "rms_eps": eps}
+    check_config_values(dims, {"d_model": f"{ARCH}.embedding_length", "n_layer": f"{ARCH}.block_count",
+                               "vocab_size": "token_embd.weight rows", "d_state": f"{ARCH}.ssm.state_size",
+                               "d_conv": f"{ARCH}.ssm.conv_kernel", "d_inner": f"{ARCH}.ssm.inner_size",
+                               "dt_rank": f"{ARCH}.ssm.time_step_rank",
+                               "rms_eps": f"{ARCH}.attention.layer_norm_rms_epsilon"}, path)
+    check_weight_bytes(dims, size, path, min_bits=1)
     try:
         cfg = MambaConfig(d_model=E, n_layer=L, vocab_size=V, d_state=N, d_conv=K, d_inner=D, dt_rank=R,
                           expand=D // E if E > 0 and D % E == 0 else 2, rms_eps=_short_float(eps),
@@ -168,6 +182,11 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
                                   f"(all negative), so this file holds A_log or is damaged: re-convert it")
     known = set(names.values())
     extra = sorted(set(by_name) - known)
+    beyond = sorted({int(k.split(".")[1]) for k in extra if k.startswith("blk.") and k.split(".")[1].isdigit()
+                     and int(k.split(".")[1]) >= L})
+    if beyond:
+        raise CheckpointError(f"{path}: tensors of block(s) {', '.join(map(str, beyond[:5]))} but {ARCH}.block_count "
+                              f"is {L}; the metadata does not match the tensors")
     params = check_params(cfg, params, str(path), names)
 
     tokenizer, notes = read_tokenizer(reader)
@@ -244,7 +263,9 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".part")
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".part", dir=out_path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
     w = gguf.GGUFWriter(str(tmp), ARCH)
     try:
         w.add_name(Path(model.source).name or "mamba")
@@ -312,20 +333,23 @@ def describe_gguf(path, notes=()) -> str:
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     tied = all(t.name != "output.weight" for t in reader.tensors)
+    a = f("general.architecture")
     tok = f("tokenizer.ggml.model")
     n_tok = len(reader.get_field("tokenizer.ggml.tokens").data) if reader.get_field("tokenizer.ggml.tokens") else 0
     lines = [
         f"wrote     {path} ({path.stat().st_size / 2**20:.2f} MiB)",
-        f"arch      {f('general.architecture')}: n_layer {f('mamba.block_count')}, n_embd "
-        f"{f('mamba.embedding_length')}, d_inner {f('mamba.ssm.inner_size')}, d_state {f('mamba.ssm.state_size')}, "
-        f"d_conv {f('mamba.ssm.conv_kernel')}, dt_rank {f('mamba.ssm.time_step_rank')}, "
-        f"rms_eps {f('mamba.attention.layer_norm_rms_epsilon'):g}",
+        f"arch      {a}: n_layer {f(a + '.block_count')}, n_embd "
+        f"{f(a + '.embedding_length')}, d_inner {f(a + '.ssm.inner_size')}, d_state {f(a + '.ssm.state_size')}, "
+        f"d_conv {f(a + '.ssm.conv_kernel')}, "
+        + (f"heads {f(a + '.ssm.time_step_rank')}, groups {f(a + '.ssm.group_count')}, " if a == "mamba2" else
+           f"dt_rank {f(a + '.ssm.time_step_rank')}, ")
+        + f"rms_eps {f(a + '.attention.layer_norm_rms_epsilon'):g}",
         f"tensors   {len(reader.tensors)}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         + (" (output tied to token_embd)" if tied else ""),
         f"tokenizer {tok}" + (f", {n_tok} tokens, pre {f('tokenizer.ggml.pre')!r}, "
                               f"bos {f('tokenizer.ggml.bos_token_id')}, eos {f('tokenizer.ggml.eos_token_id')}"
                               if tok == "gpt2" else
-                              f", vocab_size {f('mamba.vocab_size')} (no tokenizer in the model)"),
+                              f", vocab_size {f(a + '.vocab_size')} (no tokenizer in the model)"),
     ]
     lines += [f"note      {n}" for n in notes]
     del reader

@@ -1,5 +1,6 @@
 """HF-format folders, read and written: transformers' `MambaForCausalLM` (config.json + model.safetensors
-[+ tokenizer.json], as `save_pretrained` writes it) and the original state-spaces layout (read only).
+[+ tokenizer.json], as `save_pretrained` writes it) and the original state-spaces layout (read only);
+`Mamba2ForCausalLM` and `GraniteMoeHybridForCausalLM` (dense) through the tables of `hf_mamba2`.
 
 Each layout is one table (`LAYOUTS`): its config.json keys and its tensor names, both mapped to the canonical
 ones (`ModelConfig` fields, `arch.param_shapes` names); the reader and the writer use the same table. Pickled
@@ -17,7 +18,11 @@ import torch
 from ..arch import param_shapes
 from ..config import MambaConfig
 from ..errors import CheckpointError
+from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel
+from ..safeio import atomic_path, write_text
+from . import hf_mamba2
+from .hf_files import check_extra_tensors, weights_files
 from .weights import check_params
 
 
@@ -81,9 +86,12 @@ def read_config(folder: Path) -> tuple[dict, Path]:
     if not cfg_path.is_file():
         raise CheckpointError(f"{folder}: no config.json; an HF model folder needs config.json and weights")
     try:
-        return json.loads(cfg_path.read_text()), cfg_path
-    except json.JSONDecodeError as exc:
+        raw = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for k, v in raw.items() if k == "ssm_cfg" and v):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object of config keys (ssm_cfg an object too)")
+    return raw, cfg_path
 
 
 def load_hf_folder(folder: Path, raw: dict | None = None) -> MambaModel:
@@ -103,8 +111,27 @@ def load_hf_folder(folder: Path, raw: dict | None = None) -> MambaModel:
                               f"the state-spaces one (d_model, n_layer, ssm_cfg)")
     cfg = _config(raw, tensors, cfg_path, layout)
     names = tensor_names(cfg, layout)
+    extra = check_extra_tensors(tensors, set(names.values()) | {LAYOUTS[layout].names["lm_head"]}, cfg.n_layer,
+                                folder)
     params = check_params(cfg, _translate(cfg, tensors, names), str(folder), names)
-    return MambaModel(cfg, params, _read_tokenizer(folder), source=str(folder))
+    notes = [f"ignored tensors the config does not account for: {', '.join(extra[:4])}"] if extra else []
+    return MambaModel(cfg, params, _read_tokenizer(folder), source=str(folder), notes=notes)
+
+
+def load_hf_mamba2_folder(folder: Path, raw: dict) -> MambaModel:
+    """A transformers Mamba-2 or Granite-4.0-H dense hybrid folder (no tokenizer files: token ids only)."""
+    folder = Path(folder)
+    where = str(folder / "config.json")
+    cfg, notes = hf_mamba2.config_from_hf(raw, where)
+    tensors = _read_tensors(folder)
+    if hf_mamba2.model_type(raw) == "mamba_ssm2":            # the vocabulary is padded inside the checkpoint
+        cfg.vocab_size = _vocab_rows(tensors, ("backbone.embedding.weight", "lm_head.weight"), cfg.vocab_size)
+    shapes = param_shapes(cfg)
+    params = check_params(cfg, hf_mamba2.params_from_hf(cfg, tensors, shapes, str(folder)), str(folder))
+    tokenizer = _read_tokenizer(folder)
+    if tokenizer is None:
+        notes.append("no tokenizer.json: pass token ids")
+    return MambaModel(cfg, params, tokenizer, source=str(folder), notes=notes)
 
 
 def _lookup(raw: dict, key: str):
@@ -127,14 +154,17 @@ def _config(raw: dict, tensors: dict, cfg_path: Path, layout: str) -> MambaConfi
                 raise KeyError(key)
         kw["vocab_size"] = _vocab_rows(tensors, (table.names["embed"], table.names["lm_head"]), kw["vocab_size"])
         kw["d_inner"] = kw.get("d_inner") or 0
+        check_config_values(kw, table.config, cfg_path)
         kw["dt_rank"] = _dt_rank(kw.get("dt_rank", "auto"), kw["d_model"])
+        check_weight_bytes(kw, sum(t.numel() * t.element_size() for t in tensors.values()), cfg_path)
         return MambaConfig(**kw)
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as exc:
         raise CheckpointError(f"{cfg_path}: incomplete or invalid {layout} Mamba config ({exc})") from exc
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    st_files = sorted(folder.glob("*.safetensors"))
+    files, _ = weights_files(folder)        # never a stray second weights file mixed in
+    st_files = [f for f in files if f.suffix == ".safetensors"]
     if st_files:
         from safetensors import safe_open  # noqa: PLC0415
         out = {}
@@ -147,7 +177,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{f}: cannot be read as safetensors ({exc}); the file is truncated or "
                                       f"damaged: save or copy it again") from exc
         return out
-    bins = sorted(folder.glob("pytorch_model*.bin"))
+    bins = [f for f in files if f.suffix == ".bin"]
     if bins:
         out = {}
         for f in bins:
@@ -193,19 +223,28 @@ def _dt_rank(value, d_model: int) -> int:
 
 # -- writing ---------------------------------------------------------------------------------------
 def save_hf(model: MambaModel, folder, dtype: torch.dtype = torch.float32) -> Path:
-    """Write `model` as a transformers `MambaForCausalLM` folder (config.json + model.safetensors
-    [+ tokenizer.json]); `load_model` and transformers read it back."""
+    """Write `model` as a transformers `MambaForCausalLM` folder (`Mamba2ForCausalLM` or
+    `GraniteMoeHybridForCausalLM` for those layer types): config.json + model.safetensors [+ tokenizer.json];
+    `load_model` and transformers read it back."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
     c, folder = model.config, Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if set(c.layer_types) != {"mamba1"}:                     # Mamba2ForCausalLM / GraniteMoeHybridForCausalLM
+        save_file(hf_mamba2.params_to_hf(c, model.params, dtype), str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(hf_mamba2.config_to_hf(c), indent=2))
+        if model.tokenizer is not None:
+            model.tokenizer.save(str(folder / "tokenizer.json"))
+        return folder
     table, names = LAYOUTS["transformers"], tensor_names(c, "transformers")
     tensors = {names[k]: _to_file(k, model.params[k]) for k in param_shapes(c)
                if not (k == "lm_head" and c.tie_embeddings)}
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    with atomic_path(folder / "model.safetensors") as tmp:
+        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp))
     config = {"architectures": ["MambaForCausalLM"], "model_type": "mamba",
               **{key: getattr(c, field) for field, key in table.config.items()}, "residual_in_fp32": True}
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_text(folder / "config.json", json.dumps(config, indent=2))
     if model.tokenizer is not None:
-        model.tokenizer.save(str(folder / "tokenizer.json"))
+        with atomic_path(folder / "tokenizer.json") as tmp:
+            model.tokenizer.save(str(tmp))
     return folder

@@ -1,6 +1,7 @@
-"""`load_model`: a path to the right reader (HF folder or GGUF file, sniffed), or the tiny model shipped in data/.
+"""`load_model`: a path to the right reader (HF folder or GGUF file, sniffed), a model shipped in data/ by name
+("tiny-mamba2"), or the default tiny model.
 
-Models that are recognisably not Mamba-1 are refused here with their name, before any weight is read.
+Models of an architecture mamba-debug does not read are refused here with their name, before any weight is read.
 """
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..model import MambaModel
-from .gguf import load_gguf
-from .hf import load_hf_folder, read_config
+from .gguf_mamba2 import load_gguf
+from .hf import load_hf_folder, load_hf_mamba2_folder, read_config
+from .hf_mamba2 import model_type
 
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
 DEFAULT_MODEL = DATA_DIR / "tiny-mamba"
@@ -22,15 +24,19 @@ OTHER_ARCHS = {"mamba2": "Mamba-2", "falcon_mamba": "FalconMamba (Mamba-1 with d
 
 
 def load_model(path=None) -> MambaModel:
-    """Load a Mamba-1 model: an HF folder, a GGUF file, or (None) the tiny model shipped in data/."""
+    """Load a model: an HF folder, a GGUF file, the name of a model shipped in data/ ("tiny-mamba2"), or (None)
+    the default tiny Mamba-1 model."""
     if path is None:
         if not (DEFAULT_MODEL / "config.json").is_file():
             raise CheckpointError(f"the shipped tiny model is not in {DEFAULT_MODEL} yet; pass --model PATH "
                                   f"(an HF Mamba folder or a .gguf file)")
         path = DEFAULT_MODEL
     path = Path(path)
+    if not path.exists() and len(path.parts) == 1 and (DATA_DIR / path / "config.json").is_file():
+        path = DATA_DIR / path                               # a shipped model by name, from any working folder
     if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder")
+        shipped = sorted(p.parent.name for p in DATA_DIR.glob("*/config.json"))
+        raise CheckpointError(f"{path}: no such file or folder (shipped models, by name: {', '.join(shipped)})")
     if path.is_file():
         if _is_gguf(path):
             return load_gguf(path)
@@ -40,6 +46,8 @@ def load_model(path=None) -> MambaModel:
             raise CheckpointError(f"{path}: not a GGUF file (bad magic) and not a model folder; pass the folder "
                                   f"holding config.json, or a .gguf file")
     raw, cfg_path = read_config(path)
+    if model_type(raw) is not None:
+        return load_hf_mamba2_folder(path, raw)
     _reject_other_arch(raw, cfg_path)
     return load_hf_folder(path, raw)
 
@@ -56,7 +64,9 @@ def _raise_bad_gguf(path: Path, magic: bytes) -> bool:
 
 
 def _reject_other_arch(raw: dict, cfg_path: Path):
-    words = [str(raw.get("model_type", "")).lower()] + [str(a).lower() for a in raw.get("architectures", [])]
+    archs = raw.get("architectures") or []
+    words = [str(raw.get("model_type", "")).lower()] + [str(a).lower() for a in
+                                                         (archs if isinstance(archs, list) else [archs])]
     ssm_cfg = raw.get("ssm_cfg") or {}
     if str(ssm_cfg.get("layer", "")).lower() == "mamba2" or any("mamba2" in w for w in words):
         kind = "Mamba-2"
@@ -65,5 +75,5 @@ def _reject_other_arch(raw: dict, cfg_path: Path):
         if kind is None and raw.get("rms_norm") is False:
             kind = "a Mamba with LayerNorm instead of RMSNorm"
     if kind:
-        raise CheckpointError(f"{cfg_path}: this looks like {kind}; mamba-debug supports Mamba-1 only (not yet "
-                              f"{kind.split(' (')[0]})")
+        raise CheckpointError(f"{cfg_path}: this looks like {kind}; mamba-debug supports Mamba-1, and Mamba-2 and "
+                              f"Granite-4.0-H dense hybrids in transformers' format (not yet {kind.split(' (')[0]})")

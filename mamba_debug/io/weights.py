@@ -35,5 +35,9 @@ def check_params(cfg: ModelConfig, params: dict[str, torch.Tensor], source: str,
             bad = (~torch.isfinite(t)).sum().item()
             raise CheckpointError(f"{source}: tensor {names.get(key, key)} holds {bad} NaN/Inf value(s); "
                                   f"the checkpoint is corrupt (re-export or re-download it).")
+        if t.abs().max() > torch.finfo(torch.float32).max if t.numel() else False:
+            raise CheckpointError(f"{source}: tensor {names.get(key, key)} holds values beyond float32's range "
+                                  f"(|x| > 3.4e38, up to {t.abs().max().item():.3g}); the float32 sides run it in "
+                                  f"float32, where it becomes Inf. The checkpoint is corrupt or scaled wrongly.")
         out[key] = t
     return out

@@ -68,7 +68,7 @@ class _Local(Capture):
             return h, states
         b = runner.layer_backends[i]
         h_in = ref.sites[(i - 1, "resid")][0] if i > 0 else self.side.embedded
-        cast = lambda t: t.to(device=b.device, dtype=b.dtype)  # noqa: E731
+        cast = lambda t: t.to(device=b.device, dtype=b.dtype, copy=True)  # noqa: E731 (never the reference's own)
         return cast(h_in), {k: cast(v) for k, v in ref.states_before[i].items()}
 
 
@@ -115,8 +115,7 @@ class TorchSide:
     def _run(self, tokens) -> StepOutput:
         before = self.runner.save_states() if self.keep_states_before else None
         if self.local_of is not None:
-            embed = self.model.weights(self.runner.host)["embed"]
-            self.embedded = embed[tokens.to(embed.device)]
+            self.embedded = self.runner.embed(tokens)
         logits = self.runner.forward(tokens)
         after = (self.runner.save_states() if self.keep_states_after_from is not None
                  and self.u >= self.keep_states_after_from else None)
@@ -126,7 +125,7 @@ class TorchSide:
         prefix = self.prefix_from.last                      # this ubatch's run of the shared host blocks
         if not self.has_device:
             return StepOutput(prefix.logits, dict(prefix.sites))
-        h0 = prefix.sites[(self.start - 1, "resid")][0] if self.start > 0 else None
+        h0 = prefix.sites[(self.start - 1, "resid")][0].clone() if self.start > 0 else None   # not ref32's own
         logits = self.runner.forward(tokens, resume=(self.start, h0))
         sites = self.capture.take()
         if self.report_prefix:

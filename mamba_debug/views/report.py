@@ -7,6 +7,7 @@ import html
 import json
 from pathlib import Path
 
+from ..safeio import write_text
 from ..trace import CompareResult
 from .base import REPORT_DPI, SCREEN_DPI, fig_png, new_figure
 from .registry import VIEWS
@@ -63,5 +64,5 @@ def write_report(res: CompareResult, path) -> Path:
 {body}
 <h2>First divergence (JSON)</h2><pre>{html.escape(json.dumps(data['first_divergence'], indent=1))}</pre>
 </body></html>"""
-    path.write_text(page)
+    write_text(path, page)
     return path

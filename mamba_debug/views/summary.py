@@ -65,8 +65,10 @@ def to_json(res: CompareResult) -> dict:
                    "first_device_layer": res.placement.first_device_layer,
                    "head_on_device": res.placement.head_on_device, "n_prompt": res.n_prompt, "n_gen": s.n_gen,
                    "reference": s.reference, "ref_device": s.ref_device, "k_floor": s.k_floor, "capture": s.capture,
-                   "local": s.local, "repeat": s.repeat, "model": res.model_info},
-        "first_divergence": fd,
+                   "local": s.local, "repeat": s.repeat, "model": res.model_info,
+                   "engine": s.engine, "ubatch_per_seq": s.ubatch_per_seq(),
+                   **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {})},
+        "first_divergence": _with_node(fd, res.sides["device"].extra),
         "verdict": verdict(res),
         "logits": {"kld_mean": json_num(lg["kld"].mean()), "kld_max": json_num(lg["kld"].max()),
                    "top1_agreement": json_num(lg["top1"].mean()), "rms_dp_mean": json_num(lg["rms_dp"].mean()),
@@ -143,3 +145,12 @@ def _ref_where(ref_device: str) -> str:
 
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _with_node(fd, extra):
+    """An engine traced from outside (llama.cpp) names the graph node behind the divergent site: its name, op,
+    backend and arithmetic path."""
+    if fd is None or not extra or not extra.get("nodes"):
+        return fd
+    node = next((n for n in extra["nodes"] if n["layer"] == fd["layer"] and n["site"] == fd["site"]), None)
+    return fd if node is None else {**fd, "node": {k: node[k] for k in ("name", "op", "backend", "path")}}

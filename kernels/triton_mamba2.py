@@ -1,0 +1,210 @@
+"""Triton kernels for Mamba-2's `ssd_scan` and `rms_norm_gated` (merged into the default `triton` plug-in).
+
+Same rules and modes as kernels/triton.py (compiled on cuda, interpreted on CPU tensors): every stride goes to the
+kernel (x, B, C are views of the conv output, z a view of the in_proj output), strides in elements with 64-bit
+sequence offsets, inputs never written, fp32 math, the state read at the start and written at the end of a call.
+
+    ssd_scan(ssm_state[S,H,P,N], x[S,T,H,P], dt[S,T,H], A[H], B[S,T,G,N], C[S,T,G,N], *, states_out=None)
+        -> (y[S,T,H,P], new_state[S,H,P,N])        δ = softplus(dt) (threshold 20), head h reads group h // (H/G)
+    rms_norm_gated(x[S,T,Dn], z[S,T,Dn], weight[Dn], eps, n_groups) -> y   (gate, then the norm per group)
+
+Two schedules for the scan, one program per (sequence, head):
+* `chunked` (prefill): the SSD form. Per chunk of Q tokens Λ = cumsum(δA); y = (C Bᵀ ∘ e^{Λt-Λs} δs, lower) x
+  + e^{Λt} C Sᵀ; S ← e^{Λlast} S + (x ∘ e^{Λlast-Λ} δ)ᵀ B. Chunks start at the ubatch start; the state carries
+  over chunk to chunk and ubatch to ubatch.
+* `steps` (decode, and whenever per-token states are wanted): the recurrence token by token, state in registers.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+NAME = "triton_mamba2"
+DESCRIPTION = "Triton ssd_scan (chunked SSD prefill, recurrent decode) and grouped gated RMSNorm for Mamba-2"
+SUPPORTS_STATES_OUT = True
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if INTERPRET:
+    import triton.experimental.gluon  # noqa: F401  (see kernels/triton.py)
+
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+
+@triton.jit
+def _softplus(dt):
+    return tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, SOFTPLUS_THRESHOLD))))
+
+
+@triton.jit
+def _ssd_steps_kernel(
+    s0_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, s1_ptr, so_ptr,
+    T, P, N, heads_per_group,
+    s0_s, s0_h, s0_p, s0_n, x_s, x_t, x_h, x_p, dt_s, dt_t, dt_h, A_h,
+    B_s, B_t, B_g, B_n, C_s, C_t, C_g, C_n, y_s, y_t, y_h, y_p, s1_s, s1_h, s1_p, s1_n,
+    so_s, so_t, so_h, so_p, so_n,
+    HAS_STATES_OUT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    g = h // heads_per_group
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mp, mn = offs_p < P, offs_n < N
+    m2 = mp[:, None] & mn[None, :]
+    st = tl.load(s0_ptr + s * s0_s + h * s0_h + offs_p[:, None] * s0_p + offs_n[None, :] * s0_n,
+                 mask=m2, other=0.0).to(tl.float32)
+    a = tl.load(A_ptr + h * A_h).to(tl.float32)
+    for t in range(T):
+        d = _softplus(tl.load(dt_ptr + s * dt_s + t * dt_t + h * dt_h).to(tl.float32))
+        xv = tl.load(x_ptr + s * x_s + t * x_t + h * x_h + offs_p * x_p, mask=mp, other=0.0).to(tl.float32)
+        bv = tl.load(B_ptr + s * B_s + t * B_t + g * B_g + offs_n * B_n, mask=mn, other=0.0).to(tl.float32)
+        cv = tl.load(C_ptr + s * C_s + t * C_t + g * C_g + offs_n * C_n, mask=mn, other=0.0).to(tl.float32)
+        st = tl.exp(d * a) * st + (d * xv)[:, None] * bv[None, :]
+        yv = tl.sum(st * cv[None, :], axis=1)
+        tl.store(y_ptr + s * y_s + t * y_t + h * y_h + offs_p * y_p, yv, mask=mp)
+        if HAS_STATES_OUT:
+            tl.store(so_ptr + s * so_s + t * so_t + h * so_h + offs_p[:, None] * so_p + offs_n[None, :] * so_n,
+                     st, mask=m2)
+    tl.store(s1_ptr + s * s1_s + h * s1_h + offs_p[:, None] * s1_p + offs_n[None, :] * s1_n, st, mask=m2)
+
+
+@triton.jit
+def _ssd_chunked_kernel(
+    s0_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, s1_ptr,
+    T, P, N, heads_per_group, Q,
+    s0_s, s0_h, s0_p, s0_n, x_s, x_t, x_h, x_p, dt_s, dt_t, dt_h, A_h,
+    B_s, B_t, B_g, B_n, C_s, C_t, C_g, C_n, y_s, y_t, y_h, y_p, s1_s, s1_h, s1_p, s1_n,
+    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    g = h // heads_per_group
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mp, mn = offs_p < P, offs_n < N
+    st = tl.load(s0_ptr + s * s0_s + h * s0_h + offs_p[:, None] * s0_p + offs_n[None, :] * s0_n,
+                 mask=mp[:, None] & mn[None, :], other=0.0).to(tl.float32)            # [P, N]
+    a = tl.load(A_ptr + h * A_h).to(tl.float32)
+    for c0 in range(0, T, Q):
+        tt = c0 + offs_q
+        mq = (offs_q < Q) & (tt < T)
+        d = _softplus(tl.load(dt_ptr + s * dt_s + tt * dt_t + h * dt_h, mask=mq, other=0.0).to(tl.float32))
+        d = tl.where(mq, d, 0.0)                          # padded tokens add nothing and do not decay
+        lam = tl.cumsum(d * a, axis=0)                    # [Q]
+        lam_last = tl.sum(tl.where(offs_q == tl.minimum(Q, T - c0) - 1, lam, 0.0), axis=0)
+        xs = tl.load(x_ptr + s * x_s + tt[:, None] * x_t + h * x_h + offs_p[None, :] * x_p,
+                     mask=mq[:, None] & mp[None, :], other=0.0).to(tl.float32)        # [Q, P]
+        bs = tl.load(B_ptr + s * B_s + tt[:, None] * B_t + g * B_g + offs_n[None, :] * B_n,
+                     mask=mq[:, None] & mn[None, :], other=0.0).to(tl.float32)        # [Q, N]
+        cs = tl.load(C_ptr + s * C_s + tt[:, None] * C_t + g * C_g + offs_n[None, :] * C_n,
+                     mask=mq[:, None] & mn[None, :], other=0.0).to(tl.float32)        # [Q, N]
+        cb = tl.dot(cs, tl.trans(bs), input_precision="ieee")                        # [Q, Q]
+        causal = offs_q[:, None] >= offs_q[None, :]
+        seg = tl.where(causal, lam[:, None] - lam[None, :], 0.0)   # masked before exp: no overflow above
+        m = tl.where(causal, cb * tl.exp(seg), 0.0) * d[None, :]
+        y = tl.dot(m, xs, input_precision="ieee")                                     # [Q, P]
+        y += tl.exp(lam)[:, None] * tl.dot(cs, tl.trans(st), input_precision="ieee")
+        tl.store(y_ptr + s * y_s + tt[:, None] * y_t + h * y_h + offs_p[None, :] * y_p, y,
+                 mask=mq[:, None] & mp[None, :])
+        w = tl.where(mq, tl.exp(lam_last - lam) * d, 0.0)                            # [Q]
+        st = tl.exp(lam_last) * st + tl.dot(tl.trans(xs * w[:, None]), bs, input_precision="ieee")
+    tl.store(s1_ptr + s * s1_s + h * s1_h + offs_p[:, None] * s1_p + offs_n[None, :] * s1_n, st,
+             mask=mp[:, None] & mn[None, :])
+
+
+@triton.jit
+def _gated_norm_kernel(
+    x_ptr, z_ptr, w_ptr, y_ptr, T, group, eps,
+    x_s, x_t, x_d, z_s, z_t, z_d, w_d, y_s, y_t, y_d,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s, t = row // T, row % T
+    q = tl.program_id(1).to(tl.int64)
+    offs = q * group + tl.arange(0, BLOCK)
+    m = tl.arange(0, BLOCK) < group
+    xv = tl.load(x_ptr + s * x_s + t * x_t + offs * x_d, mask=m, other=0.0).to(tl.float32)
+    zv = tl.load(z_ptr + s * z_s + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
+    v = xv * zv / (1.0 + tl.exp(-zv))
+    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / group + eps)
+    wv = tl.load(w_ptr + offs * w_d, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + s * y_s + t * y_t + offs * y_d, v * inv * wv, mask=m)
+
+
+def _check(op, ok, what, **tensors):
+    if not ok:
+        raise ValueError(f"{op}: {what} (got " + ", ".join(f"{k}={list(v.shape)}" for k, v in tensors.items()) + ")")
+
+
+def _check_device(op, **tensors):
+    want = "cpu" if INTERPRET else "cuda"
+    for k, v in tensors.items():
+        if v.device.type != want:
+            raise ValueError(f"{op}: this copy of the kernels was loaded for {'the interpreter' if INTERPRET else 'a GPU'}"
+                             f" and takes {want} tensors, but {k} is on {v.device}")
+
+
+def scan_plan(S, T, H, P, N, states_out: bool) -> dict:
+    """steps for decode and per-token states; chunked SSD otherwise. Q: 16 interpreted (fewest operations on
+    small tiles), 64 compiled."""
+    if states_out or T <= 2:
+        return dict(schedule="steps")
+    return dict(schedule="chunked", chunk_size=16 if INTERPRET else 64)
+
+
+def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = None):
+    """Mamba-2 scan of one ubatch (module docstring). plan: {"schedule": "steps" | "chunked", "chunk_size": Q}."""
+    S, T, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    _check("ssd_scan", tuple(ssm_state.shape) == (S, H, P, N), "ssm_state must be [S, H, P, N]",
+           ssm_state=ssm_state, x=x, B=B)
+    _check("ssd_scan", tuple(dt.shape) == (S, T, H) and tuple(A.shape) == (H,), "dt must be [S, T, H], A [H]",
+           x=x, dt=dt, A=A)
+    _check("ssd_scan", tuple(B.shape) == (S, T, G, N) and C.shape == B.shape and H % G == 0,
+           "B and C must be [S, T, G, N] with G dividing H", x=x, B=B, C=C)
+    if states_out is not None:
+        _check("ssd_scan", tuple(states_out.shape) == (S, T, H, P, N), "states_out must be [S, T, H, P, N]",
+               x=x, states_out=states_out)
+    _check_device("ssd_scan", ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C)
+    y = torch.empty((S, T, H, P), dtype=x.dtype, device=x.device)
+    new_state = torch.empty((S, H, P, N), dtype=ssm_state.dtype, device=ssm_state.device)
+    if T == 0:
+        new_state.copy_(ssm_state)
+        return y, new_state
+    plan = dict(plan) if plan is not None else scan_plan(S, T, H, P, N, states_out is not None)
+    block_p, block_n = triton.next_power_of_2(P), triton.next_power_of_2(N)
+    common = (T, P, N, H // G)
+    strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
+               *y.stride(), *new_state.stride())
+    if plan["schedule"] == "steps" or states_out is not None:
+        so = states_out if states_out is not None else new_state
+        so_strides = states_out.stride() if states_out is not None else (0,) * 5
+        _ssd_steps_kernel[(S, H)](ssm_state, x, dt, A, B, C, y, new_state, so, *common, *strides, *so_strides,
+                                  HAS_STATES_OUT=states_out is not None, BLOCK_P=block_p, BLOCK_N=block_n)
+        return y, new_state
+    Q = int(plan["chunk_size"])
+    lo = 1 if INTERPRET else 16                    # tl.dot needs 16-wide tiles when compiled
+    _ssd_chunked_kernel[(S, H)](ssm_state, x, dt, A, B, C, y, new_state, *common, Q, *strides,
+                                BLOCK_Q=max(lo, triton.next_power_of_2(Q)), BLOCK_P=max(lo, block_p),
+                                BLOCK_N=max(lo, block_n))
+    return y, new_state
+
+
+def rms_norm_gated(x, z, weight, eps, n_groups):
+    """Gate then grouped RMSNorm (module docstring); x, z [S, T, Dn] (any strides), weight [Dn]."""
+    _check("rms_norm_gated", x.dim() == 3 and z.shape == x.shape and tuple(weight.shape) == (x.shape[-1],)
+           and x.shape[-1] % n_groups == 0, "x, z must be [S, T, Dn], weight [Dn], n_groups dividing Dn",
+           x=x, z=z, weight=weight)
+    _check_device("rms_norm_gated", x=x, z=z, weight=weight)
+    S, T, Dn = x.shape
+    y = torch.empty((S, T, Dn), dtype=x.dtype, device=x.device)
+    group = Dn // n_groups
+    if S * T:
+        _gated_norm_kernel[(S * T, n_groups)](x, z, weight, y, T, group, float(eps), *x.stride(), *z.stride(),
+                                              *weight.stride(), *y.stride(), BLOCK=triton.next_power_of_2(group))
+    return y
+
+
+OPS = {"ssd_scan": ssd_scan, "rms_norm_gated": rms_norm_gated}

@@ -1,0 +1,199 @@
+"""Reading `ggml_tensor` nodes in the eval callback, and the node map: every node of a ubatch graph to (layer, site).
+
+Layers are assigned by data flow, never by position (adjacent layers' nodes interleave in llama.cpp's graph): the
+`-N` suffix of the three stable names (`norm-N`, `attn_norm-N`, `l_out-N`), the `blk.N.*` weight a node reads, the
+`cache_r_lN` / `cache_s_lN` state it touches, else the highest layer among its inputs. The head (`norm`,
+`result_norm`, `result_output`) and the embedding are model level (layer None).
+
+The site: DESIGN.md's name where one exists (NODE_MAP, the one table), else the ggml op name with an ordinal from
+the second node of that op in the layer (`SSM_CONV`, `MUL_MAT#2`, `CONT#2`). Views, reshapes, permutes and
+transposes compute nothing and are not sites, except the B and C views of the x_proj output (DESIGN.md's B, C).
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .lib import GgmlTensor
+
+NO_COMPUTE = {"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "NONE"}
+DTYPES = {0: np.float32, 26: np.int32, 1: np.float16}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_CACHE = re.compile(r"cache_([rs])_l(\d+)")
+_SUFFIX = re.compile(r"^(norm|attn_norm|l_out)-(\d+)$")
+HEAD_NAMES = {"norm": "RMS_NORM", "result_norm": "final_norm", "result_output": "logits"}
+
+# The node map (Mamba-1, llama.cpp src/models/mamba-base.cpp): how a node is recognised -> DESIGN.md's site.
+# Keys: (op, what identifies it). "weight:X" = reads blk.N.X; "cache:r" = a CPY into cache_r_lN (the new state).
+NODE_MAP = {
+    ("MUL", "weight:attn_norm.weight"): "norm",
+    ("MUL_MAT", "weight:ssm_in.weight"): "xz",
+    ("CPY", "cache:r"): "conv_state",
+    ("ADD", "weight:ssm_conv1d.bias"): "conv",
+    ("SILU", "after:conv"): "conv_act",
+    ("ADD", "weight:ssm_dt.bias"): "dt",
+    ("VIEW", "B"): "B",
+    ("VIEW", "C"): "C",
+    ("SSM_SCAN", ""): "y_scan",
+    ("CPY", "cache:s"): "ssm_state",
+    ("ADD", "after:y_scan"): "y_skip",
+    ("SWIGLU", ""): "y_gated",
+    ("MUL_MAT", "weight:ssm_out.weight"): "out",
+    ("ADD", "name:l_out"): "resid",
+}
+# Sites of a layer in llama.cpp's graph order, as the map yields them for a Mamba-1 block (op-named nodes only where
+# the reference can say what they should hold: see reference.py). DESIGN.md's `gate` (silu(z) alone) does not exist
+# in llama.cpp: SWIGLU fuses it into y_gated, so it is not observed.
+LAYER_SITES = ("GET_ROWS", "RMS_NORM", "norm", "xz", "CONCAT", "conv_state", "SSM_CONV", "conv", "conv_act", "MUL_MAT#2", "CONT",
+               "MUL_MAT#3", "dt", "B", "C", "y_scan", "ssm_state", "CONT#2", "MUL#2", "y_skip", "y_gated", "out",
+               "resid")
+HEAD_SITES = ("final_norm", "logits")
+
+
+@dataclass
+class Node:
+    index: int                  # position in this ubatch graph
+    addr: int
+    name: str
+    op: str                     # ggml_op_desc: SILU / SWIGLU for unary and GLU ops
+    ne: tuple
+    nb: tuple
+    type: int
+    src: list                   # addresses
+    view_src: int
+    view_offs: int
+    backend: str
+    layer: Optional[int] = None
+    site: Optional[str] = None  # DESIGN.md's name or OP[#k]; None for views and empty nodes
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.ne:
+            n *= d
+        return n
+
+
+def read_node(lib, addr: int, index: int) -> Node:
+    t = GgmlTensor.from_address(addr)
+    buf = lib.ggml_backend_buffer_name(t.buffer).decode() if t.buffer else "?"
+    node = Node(index, addr, t.name.decode(errors="replace"), (lib.ggml_op_desc(addr) or b"?").decode(),
+                tuple(t.ne), tuple(t.nb), t.type, [s for s in t.src if s], t.view_src or 0, t.view_offs, buf)
+    node.extra["op_params"] = tuple(t.op_params[:4])
+    return node
+
+
+def read_data(lib, node: Node) -> np.ndarray:
+    """The node's values as a numpy array in ggml's order reversed (ne[3], ne[2], ne[1], ne[0]), honouring its byte
+    strides (a strided view is read over its extent, then indexed like ggml does)."""
+    dtype = DTYPES.get(node.type)
+    if dtype is None:
+        raise TypeError(f"node {node.name!r}: ggml type {node.type} is not read by mamba-debug")
+    extent = lib.ggml_nbytes(node.addr)
+    buf = np.empty(max(extent, 1), dtype=np.uint8)
+    if extent:
+        lib.ggml_backend_tensor_get(node.addr, buf.ctypes.data, 0, extent)
+    return np.ndarray(shape=node.ne[::-1], dtype=dtype, buffer=buf, strides=node.nb[::-1]).copy()
+
+
+def host_array(node: Node) -> np.ndarray:
+    """A writable numpy view of a host-resident node's own memory (CPU build): for fault injection in tests."""
+    t = GgmlTensor.from_address(node.addr)
+    extent = int(sum((n - 1) * b for n, b in zip(node.ne, node.nb)) + node.nb[0])
+    raw = (ctypes.c_char * extent).from_address(t.data)
+    return np.ndarray(shape=node.ne[::-1], dtype=DTYPES[node.type], buffer=raw, strides=node.nb[::-1])
+
+
+class GraphMap:
+    """Maps the nodes of one ubatch graph as they are observed, in graph order (inputs before consumers)."""
+
+    def __init__(self, names: dict):
+        self.names = names                  # address -> name of every tensor seen (weights included)
+        self.nodes: dict = {}               # address -> Node
+        self.count: dict = {}               # (layer, op) -> nodes of that op so far
+        self.roles: dict = {}               # address -> DESIGN site of already mapped nodes
+
+    def src_name(self, addr: int) -> str:
+        if addr in self.nodes:
+            return self.nodes[addr].name
+        name = self.names.get(addr)
+        if name is None:
+            name = GgmlTensor.from_address(addr).name.decode(errors="replace")
+            self.names[addr] = name
+        return name
+
+    def add(self, node: Node) -> Node:
+        node.layer, weight, cache = self._layer(node)
+        node.extra["weight"] = weight
+        self.nodes[node.addr] = node
+        op = node.op
+        if op in NO_COMPUTE and op != "VIEW" or node.size == 0:
+            return node
+        site = self._design_site(node, weight, cache)
+        if op == "VIEW" and site is None:
+            return node
+        if node.layer is not None or node.name in HEAD_NAMES or node.name == "embd":
+            k = self.count[(node.layer, op)] = self.count.get((node.layer, op), 0) + 1
+            node.site = site or (op if k == 1 else f"{op}#{k}")
+            if site:
+                self.roles[node.addr] = site
+        return node
+
+    def _layer(self, node: Node):
+        weight = cache = None
+        layers = []
+        for s in node.src + ([node.view_src] if node.view_src else []):
+            name = self.src_name(s)
+            m = _BLK.match(name)
+            if m:
+                layers.append(int(m.group(1)))
+                weight = m.group(2)
+            c = _CACHE.search(name)
+            if c:
+                layers.append(int(c.group(2)))
+                cache = c.group(1)
+            if s in self.nodes:
+                src = self.nodes[s]
+                if src.layer is None and (src.name in HEAD_NAMES or src.extra.get("head")):
+                    node.extra["head"] = True
+                elif src.layer is not None:
+                    layers.append(src.layer)
+        m = _SUFFIX.match(node.name)
+        if node.name in HEAD_NAMES or node.extra.get("head") or node.name == "embd":
+            return None, weight, cache
+        if m:
+            return int(m.group(2)), weight, cache
+        c = _CACHE.search(node.name)
+        if c and node.op == "CPY":
+            cache = c.group(1)
+        return (max(layers) if layers else None), weight, cache
+
+    def _design_site(self, node: Node, weight, cache) -> Optional[str]:
+        op = node.op
+        if node.name in HEAD_NAMES:
+            return None if HEAD_NAMES[node.name] == "RMS_NORM" else HEAD_NAMES[node.name]
+        if weight and (op, f"weight:{weight}") in NODE_MAP:
+            return NODE_MAP[(op, f"weight:{weight}")]
+        if op == "CPY" and cache and "copy of" in node.name:
+            return NODE_MAP.get(("CPY", f"cache:{cache}"))
+        if _SUFFIX.match(node.name) and node.name.startswith("l_out"):
+            return "resid"
+        if op in ("SSM_SCAN", "SWIGLU"):
+            return NODE_MAP[(op, "")]
+        roles = [self.roles.get(s) for s in node.src]
+        if op == "SILU" and "conv" in roles:
+            return "conv_act"
+        if op == "ADD" and any(self.nodes.get(s) and self.nodes[s].view_src in self.roles
+                               and self.roles[self.nodes[s].view_src] == "y_scan" for s in node.src):
+            return "y_skip"
+        if op == "VIEW" and node.view_src in self.nodes:
+            parent = self.nodes[node.view_src]
+            if parent.op == "MUL_MAT" and parent.extra.get("weight") == "ssm_x.weight" and node.view_offs > 0:
+                k = parent.extra["views"] = parent.extra.get("views", 0) + 1
+                return "B" if k == 1 else "C" if k == 2 else None
+        return None

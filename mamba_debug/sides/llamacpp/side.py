@@ -1,0 +1,363 @@
+"""`LlamaCppSide`: a llama.cpp build as the device side, traced through its eval callback (see nodes.py, lib.py).
+
+One context with n_seq_max = S state slots; each step is one `llama_batch` of S x T tokens, sequence-major, with
+n_ubatch = RunSettings.ubatch (llama.cpp's -ub), so llama.cpp's equal split makes exactly the ubatch compare asked
+for; the side checks that (one graph, its `inp_tokens` and its SSM_CONV's [T, S]) and refuses otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ...errors import MambaDebugError
+from ...settings import RunSettings
+from ...trace import SideInfo
+from ..base import StepOutput
+from .lib import EvalCallback, GgmlTensor, LogCallback, load_library
+from .reference import derived_sites
+from .local import OPS as LOCAL_OPS
+from .local import LocalErrors
+from .nodes import DTYPES, HEAD_SITES, LAYER_SITES, GraphMap, host_array, read_data, read_node
+
+# Tests inject faults here: fn(node, array, ubatch_index) is called in the observe call of every mapped node,
+# before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes consume it.
+FAULT: Optional[Callable] = None
+_KEEP = []          # ctypes callbacks handed to the library live as long as the process
+
+
+def gguf_for(model, cache_dir: Optional[Path] = None) -> Path:
+    """The model's GGUF file: its own path when it was loaded from one, else an f32 export into a cache folder."""
+    src = str(model.source or "").split(" [")[0]
+    if src and Path(src).is_file() and src.endswith(".gguf"):
+        return Path(src)
+    from ...io import export_gguf  # noqa: PLC0415
+    base = cache_dir or Path(os.environ.get("MAMBA_DEBUG_CACHE") or Path.home() / ".cache" / "mamba-debug")
+    h = hashlib.sha256()
+    for k in sorted(model.params):
+        h.update(k.encode())
+        h.update(model.params[k].to(torch.float32).numpy().tobytes())
+    path = base / "gguf" / f"{Path(src).name or 'model'}-{h.hexdigest()[:16]}-f32.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_gguf(model, path.with_suffix(".part"), dtype="f32").rename(path)
+        print(f"mamba-debug: {src or 'the in-memory model'} exported to {path} (f32 GGUF) for llama.cpp",
+              file=sys.stderr)
+    return path
+
+
+class LlamaCppSide:
+    def __init__(self, model, s: RunSettings):
+        self.model, self.cfg, self.s = model, model.config, s
+        self.fp32 = _fp32_everywhere(s)
+        self.lib = load_library(s.llama_lib, s.device)
+        self.gguf = gguf_for(model)
+        self.tracing, self.u, self.error = True, -1, None
+        self.n_seqs = None
+        self.local = LocalErrors(s.k_floor) if s.local else None
+        self._weights = {}
+        self._observed = self.observed_sites()
+        self._load()
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _load(self):
+        lib = self.lib
+        lib.llama_backend_init()
+        if not os.environ.get("MAMBA_DEBUG_LLAMA_LOG"):
+            quiet = LogCallback(lambda level, text, ud: None)
+            _KEEP.append(quiet)
+            lib.llama_log_set(ctypes.cast(quiet, ctypes.c_void_p), None)
+        mp = lib.llama_model_default_params().params
+        mp.n_gpu_layers = 0 if self.s.device == "cpu" else self.s.offload
+        self.lmodel = lib.llama_model_load_from_file(str(self.gguf).encode(), mp)
+        if not self.lmodel:
+            raise MambaDebugError(f"{self.gguf}: {lib.path} could not load this GGUF (run with "
+                                  f"MAMBA_DEBUG_LLAMA_LOG=1 to see llama.cpp's log)")
+        n_layer = lib.llama_model_n_layer(self.lmodel)
+        if n_layer != self.cfg.n_layer:
+            raise MambaDebugError(f"{self.gguf}: llama.cpp reads {n_layer} layers, the reference {self.cfg.n_layer}")
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.lmodel))
+        self.ctx = None
+        self.info = SideInfo("device", self._label(), None, self.s.device, "llama.cpp",
+                             extra={"library": str(self.lib.path), "version": self.lib.version,
+                                    "commit": self.lib.commit, "devices": [list(d) for d in self.lib.devices],
+                                    "gguf": str(self.gguf),
+                                    "op_offload": self.s.op_offload and not self.s.fp32_everywhere,
+                                    "n_gpu_layers": mp.n_gpu_layers, "n_threads": self._threads(),
+                                    "fp32_everywhere": self.fp32, "nodes": []})
+
+    def _label(self) -> str:
+        return (f"llama.cpp {self.s.device.upper()} build {self.lib.path} ({self.lib.version}), "
+                f"-ngl {0 if self.s.device == 'cpu' else self.s.offload}, -ub {self.s.ubatch}")
+
+    def _threads(self) -> int:
+        return int(os.environ.get("MAMBA_DEBUG_LLAMA_THREADS") or max(1, min(8, (os.cpu_count() or 2) // 2)))
+
+    def _context(self, n_seqs: int, n_tokens: int):
+        lib = self.lib
+        if self.ctx:
+            lib.llama_free(self.ctx)
+        cp = lib.llama_context_default_params().params
+        cp.n_ctx = max(512, n_tokens + 8)
+        cp.n_batch = cp.n_ctx
+        cp.n_ubatch = self.s.ubatch
+        cp.n_seq_max = n_seqs
+        cp.n_threads = cp.n_threads_batch = self._threads()
+        cp.op_offload = self.s.op_offload and not self.s.fp32_everywhere
+        cp.no_perf = True
+        self._cb = EvalCallback(self._eval)
+        _KEEP.append(self._cb)
+        cp.cb_eval = ctypes.cast(self._cb, ctypes.c_void_p)
+        self.ctx = lib.llama_init_from_model(self.lmodel, cp)
+        if not self.ctx:
+            raise MambaDebugError(f"{lib.path}: llama_init_from_model failed for n_seq_max {n_seqs}, -ub "
+                                  f"{self.s.ubatch} (MAMBA_DEBUG_LLAMA_LOG=1 shows llama.cpp's log)")
+        self.mem = lib.llama_get_memory(self.ctx)
+
+    # -- the Side seam ----------------------------------------------------------------------------
+    def reset(self, settings: RunSettings, n_seqs: int):
+        if self.ctx is None or n_seqs != self.n_seqs:
+            self._context(n_seqs, 4096)
+        self.lib.llama_memory_clear(self.mem, True)
+        self.n_seqs, self.u, self.pos = n_seqs, -1, [0] * n_seqs
+        self._prev_conv, self._history = {}, []
+
+    def observed_sites(self) -> frozenset:
+        return frozenset([(i, s) for i in range(self.cfg.n_layer) for s in LAYER_SITES] +
+                         [(None, s) for s in HEAD_SITES])
+
+    def layer_sites(self) -> list:
+        """Every layer's sites in llama.cpp's graph order, with the reference's sites llama.cpp lacks in place."""
+        order = list(LAYER_SITES)
+        order.insert(order.index("y_gated"), "gate")
+        return [tuple(order)] * self.cfg.n_layer
+
+    def step(self, tokens: torch.Tensor) -> StepOutput:
+        self.u += 1
+        t0 = time.perf_counter()
+        logits, graphs = self._decode(tokens, trace=True)
+        if len(graphs) != 1:
+            raise MambaDebugError(f"llama.cpp split the ubatch of {tokens.shape[0]} x {tokens.shape[1]} tokens into "
+                                  f"{len(graphs)} graphs; compare asked for one (-ub {self.s.ubatch}): refusing "
+                                  f"to compare another schedule than the one the reference ran")
+        g = graphs[0]
+        self._check_schedule(g, tokens)
+        if self.u == 0:
+            self.info.extra["nodes"] = [{"index": n.index, "layer": n.layer, "site": n.site, "op": n.op,
+                                         "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
+                                        for n in g["map"].nodes.values() if n.site]
+        self._history.append((tokens, logits, time.perf_counter() - t0))
+        try:
+            sites = self._sites(g, tokens.shape[0], tokens.shape[1], logits)
+        except ValueError as exc:       # a node of another shape than the Mamba-1 graph this map reads
+            raise MambaDebugError(f"{self.lib.path}: a node of ubatch {self.u} does not have the shape the node map "
+                                  f"expects for [T, S] = [{tokens.shape[1]}, {tokens.shape[0]}] ({exc}); is this "
+                                  f"a Mamba-1 graph of llama.cpp 0c1e570?") from exc
+        return StepOutput(logits, sites)
+
+    def reference_sites(self, sites: dict, tokens: torch.Tensor) -> dict:
+        """What this side's op-named nodes should hold, from a reference side's sites of the same ubatch."""
+        prev = self._prev_conv.setdefault(sites[(None, "logits")][0].dtype, {})   # one per reference side
+        return derived_sites(sites, tokens, self.model.params, self.cfg, prev)
+
+    def observer_effect(self) -> dict:
+        """The whole schedule again from empty states with nothing observed (the callback answers no to every ask):
+        its logits against the traced run's, bitwise, and the time of both. Leaves the states at the schedule's end."""
+        self.lib.llama_memory_clear(self.mem, True)
+        self.pos = [0] * self.n_seqs
+        first, worst, untraced = None, 0.0, 0.0
+        for u, (tokens, logits, _) in enumerate(self._history):
+            t0 = time.perf_counter()
+            plain = self._decode(tokens, trace=False)[0]
+            untraced += time.perf_counter() - t0
+            if not torch.equal(plain, logits):
+                first = u if first is None else first
+                worst = max(worst, float((plain - logits).abs().max()))
+        out = {"logits_bitwise_identical": first is None, "first_different_ubatch": first, "max_abs_diff": worst,
+               "traced_s": round(sum(h[2] for h in self._history), 4), "untraced_s": round(untraced, 4),
+               "untraced_means": "the eval callback answers no to every ask"}
+        self.info.extra["observer_effect"] = out
+        if self.local is not None:
+            self.info.extra["local"] = self.local.to_dict()
+        return out
+
+    def close(self):
+        """Free the context and the model (a sweep builds one side per cell)."""
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.lmodel:
+            self.lib.llama_model_free(self.lmodel)
+            self.lmodel = None
+
+    def save_state(self) -> object:
+        out = []
+        for s in range(self.n_seqs):
+            n = self.lib.llama_state_seq_get_size(self.ctx, s)
+            buf = (ctypes.c_uint8 * n)()
+            self.lib.llama_state_seq_get_data(self.ctx, buf, n, s)
+            out.append(bytes(buf))
+        return {"seqs": out, "pos": list(self.pos)}
+
+    def load_state(self, state) -> None:
+        for s, data in enumerate(state["seqs"]):
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            if self.lib.llama_state_seq_set_data(self.ctx, buf, len(data), s) != len(data):
+                raise MambaDebugError(f"{self.lib.path}: llama_state_seq_set_data failed for sequence {s}")
+        self.pos = list(state["pos"])
+
+    def free_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._decode(tokens, trace=False)[0]
+
+    # -- one decode -------------------------------------------------------------------------------
+    def _decode(self, tokens: torch.Tensor, trace: bool):
+        lib = self.lib
+        S, T = tokens.shape
+        if S != self.n_seqs:
+            raise MambaDebugError(f"llama.cpp side: a ubatch of {S} sequences, the context holds {self.n_seqs}")
+        b = lib.llama_batch_init(S * T, 0, 1)
+        try:
+            ids = tokens.tolist()
+            for s in range(S):
+                for j in range(T):
+                    k = s * T + j
+                    b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = int(ids[s][j]), self.pos[s] + j, 1, 1
+                    b.seq_id[k][0] = s
+            b.n_tokens = S * T
+            self.tracing, self.graphs, self.error, self.names = trace, [], None, {}
+            rc = lib.llama_decode(self.ctx, b)
+            self.tracing = False
+            if self.error is not None:
+                raise self.error
+            if rc != 0:
+                raise MambaDebugError(f"{lib.path}: llama_decode returned {rc} for a ubatch of {S} x {T} tokens")
+            logits = np.empty((S, T, self.n_vocab), dtype=np.float32)
+            for k in range(S * T):
+                logits[k // T, k % T] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, k),
+                                                              shape=(self.n_vocab,))
+        finally:
+            lib.llama_batch_free(b)
+        self.pos = [p + T for p in self.pos]
+        return torch.from_numpy(logits[..., :self.cfg.vocab_size].copy()), self.graphs
+
+    def _eval(self, t, ask, user_data):
+        """The eval callback: ask -> observe everything while tracing; observe -> map the node, copy what a site
+        needs. Never raises into C (an exception is kept and raised after llama_decode) and always returns True
+        (False would end the current split early)."""
+        if ask:
+            return bool(self.tracing)
+        try:
+            if not self.graphs or GgmlTensor.from_address(t).name == b"embd":   # first node of every graph
+                self.graphs.append({"map": GraphMap(self.names), "data": {}, "n": 0})
+            g = self.graphs[-1]
+            node = g["map"].add(read_node(self.lib, t, g["n"]))
+            g["n"] += 1
+            if node.name == "embd" and len(node.src) > 1:
+                src = read_node(self.lib, node.src[1], -1)
+                g["tokens"] = read_data(self.lib, src).reshape(-1).copy()
+            if node.op == "SSM_CONV":
+                g["shape"] = (node.ne[1], node.ne[2])
+            data = None
+            if node.site and (node.layer, node.site) in self._observed:
+                if FAULT is not None:
+                    FAULT(node, host_array(node), self.u)
+                data = g["data"][(node.layer, node.site)] = read_data(self.lib, node)
+            if self.local is not None:
+                self._local(g, node, data)
+        except BaseException as exc:  # noqa: BLE001 (kept, raised after llama_decode)
+            if self.error is None:
+                self.error = exc
+        return True
+
+    def _local(self, g: dict, node, data):
+        """--local: keep every node's output as it was when observed (its memory may be reused later) and
+        recompute the node's op in float64 from its sources."""
+        if node.size == 0 or node.type not in DTYPES:
+            return
+        data = read_data(self.lib, node) if data is None else data
+        g.setdefault("all", {})[node.addr] = data
+        if node.op in LOCAL_OPS and node.layer is not None or node.name in ("result_norm", "result_output", "norm"):
+            srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(a) for a in node.src]
+            self.local.add(node, srcs, data, self.u)
+
+    def _leaf(self, addr: int):
+        """A source that is not a node of this graph: a weight (read once) or an input of this ubatch."""
+        if addr in self._weights:
+            return self._weights[addr]
+        leaf = read_node(self.lib, addr, -1)
+        if leaf.type not in DTYPES:
+            return None
+        data = read_data(self.lib, leaf)
+        if leaf.name.startswith(("blk.", "token_embd", "output")):
+            self._weights[addr] = data
+        return data
+
+    def _check_schedule(self, g: dict, tokens: torch.Tensor):
+        S, T = tokens.shape
+        want = tokens.reshape(-1).numpy().astype(np.int32)
+        got = g.get("tokens")
+        if got is None or g.get("shape") != (T, S) or not np.array_equal(got, want):
+            raise MambaDebugError(f"llama.cpp ran another schedule than compare asked for: tokens {_short(got)} as "
+                                  f"[T, S] = {g.get('shape')}, asked {_short(want)} as [{T}, {S}] (-ub "
+                                  f"{self.s.ubatch}); refusing to compare")
+
+    def _sites(self, g: dict, S: int, T: int, logits: torch.Tensor) -> dict:
+        c = self.cfg
+        out = {}
+        for (layer, site), a in g["data"].items():
+            if site == "y_scan":
+                v = a.reshape(-1)[:S * T * c.d_inner].reshape(S, T, c.d_inner)
+            elif site == "conv_state":
+                v = a.reshape(S, c.d_inner, c.d_conv - 1).transpose(0, 2, 1)
+            elif site == "ssm_state":
+                v = a.reshape(S, c.d_inner, c.d_state)
+            elif site == "GET_ROWS":            # the prior conv state of each sequence, at every token
+                v = a.reshape(S, 1, c.d_inner, c.d_conv - 1).transpose(0, 1, 3, 2).reshape(S, 1, -1)
+                v = np.broadcast_to(v, (S, T, v.shape[-1]))
+            elif site == "CONCAT":              # at token t: the K rows of the window the conv reads for t
+                w = np.lib.stride_tricks.sliding_window_view(a.reshape(S, c.d_inner, -1), c.d_conv, axis=-1)
+                v = w.transpose(0, 2, 3, 1).reshape(S, T, -1)
+            else:
+                v = a.reshape(S, T, -1)
+            out[(layer, site)] = (torch.from_numpy(np.array(v)), site not in ("conv_state", "ssm_state"))
+        out[(None, "logits")] = (logits, True)
+        return out
+
+
+def _fp32_everywhere(s: RunSettings) -> dict:
+    """--fp32-everywhere: every switch that keeps float32 work in FP32, set before the library loads; and what has no
+    switch. On a CPU build every f32 node already runs in FP32."""
+    if not s.fp32_everywhere:
+        return {"asked": False}
+    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"            # cuBLAS: FP32 instead of TF32 (read when CUDA starts)
+    return {"asked": True, "set": ["NVIDIA_TF32_OVERRIDE=0", "op_offload=false"],
+            "not_switchable": ["CUDA mmf tile kernel (f32 matmuls of 4..16 columns): TF32 MMA in inline PTX, no switch"
+                               "; keep -ub per sequence <= 3 to avoid it"]}
+
+
+def path_of(node) -> str:
+    """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32."""
+    if not node.backend.startswith("CUDA") or node.backend == "CUDA_Host":
+        return "fp32"
+    if node.op != "MUL_MAT":
+        return "fp32"
+    cols = node.ne[1]
+    if cols <= 3:
+        return "fp32 (mmvf)"
+    if cols <= 16 and node.ne[0] % 32 == 0:
+        return "tf32 (mmf, no switch)"
+    return "tf32 (cuBLAS; NVIDIA_TF32_OVERRIDE=0 makes it fp32)"
+
+
+def _short(a) -> str:
+    if a is None:
+        return "none"
+    a = list(map(int, a))
+    return str(a if len(a) <= 8 else a[:8] + ["..."])

@@ -1,0 +1,173 @@
+"""`--engine llama.cpp`: llama.cpp's CPU build traced as the device side, on the shipped model exported to a GGUF.
+
+Agreement with the reference at -ub 1, 2, 3, 8, 512 and 1-3 sequences (no divergence); faults written into a node's
+memory in the eval callback's observe call (so every later node consumes them, like a fault compiled into the build)
+are found at the right token, sequence, layer and site; a fault that cannot trigger at the ubatch stays clean; a
+library that is not llama.cpp is refused with exit 2. Kept small: a short prompt, two generated tokens.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh")
+
+from mamba_debug.compare import run_compare  # noqa: E402
+from mamba_debug.errors import MambaDebugError  # noqa: E402
+from mamba_debug.io import export_gguf, load_model  # noqa: E402
+from mamba_debug.settings import RunSettings  # noqa: E402
+from mamba_debug.sides.llamacpp import lib as llib  # noqa: E402
+from mamba_debug.sides.llamacpp import side as lside  # noqa: E402
+from mamba_debug.views.summary import to_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "It was a fine morning in the country, and Mr. Darcy"
+N_GEN = 2
+
+
+@pytest.fixture(scope="module")
+def subject(tmp_path_factory):
+    path = export_gguf(load_model(None), tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf", dtype="f32")
+    model = load_model(path)
+    return model, model.encode(PROMPT), path
+
+
+def compare(subject, ubatch, n_seqs, fault=None, **kw):
+    model, ids, _ = subject
+    lside.FAULT = fault
+    try:
+        return run_compare(model, ids, RunSettings(engine="llama.cpp", device="cpu", ubatch=ubatch, n_seqs=n_seqs,
+                                                   n_gen=N_GEN, **kw))
+    finally:
+        lside.FAULT = None
+
+
+@pytest.mark.parametrize("ubatch, n_seqs", [(1, 1), (2, 1), (3, 1), (8, 1), (512, 1), (1, 2), (3, 2), (2, 3),
+                                            (8, 3), (512, 3)])
+def test_agrees_with_the_reference(subject, ubatch, n_seqs):
+    res = compare(subject, ubatch, n_seqs)
+    assert res.first_divergence is None, res.first_divergence
+    j = to_json(res)
+    c = j["config"]
+    assert c["engine"] == "llama.cpp" and c["ubatch_per_seq"] == max(1, ubatch // n_seqs)
+    assert c["llama_cpp"]["library"].endswith("libllama.so") and c["llama_cpp"]["version"]
+    assert {(n["backend"], n["path"]) for n in c["llama_cpp"]["nodes"]} == {("CPU", "fp32")}
+    assert c["llama_cpp"]["observer_effect"]["logits_bitwise_identical"]
+    row = j["per_layer"][5]["sites"]
+    assert row["gate"]["max_rel_l2"] in (None, "nan")          # SWIGLU fuses silu(z) into y_gated: not observed
+    for site in ("norm", "RMS_NORM", "SSM_CONV", "MUL_MAT#2", "B", "y_scan", "ssm_state", "conv_state", "resid"):
+        assert isinstance(row[site]["max_rel_l2"], float), site
+    first_ub = res.token_info[0].ubatch_len
+    assert first_ub == min(max(1, ubatch // n_seqs), res.n_prompt)
+
+
+def _fault(layer, site, ubatch, n_seqs, seq, token=None, T=None, delta=0.05, when=None):
+    """Adds delta to one element of node (layer, site) in one ubatch: sequence `seq`, token `token` of the ubatch
+    (a state: element 3 of the sequence's row). The element is found in the node's own layout, [X, T, S] with X
+    fastest (ggml's ne order), through its byte strides: a strided view is written where it really lies."""
+    def hook(node, a, u):
+        if node.layer != layer or node.site != site or u != ubatch or (when and not when(node)):
+            return
+        if site in ("ssm_state", "conv_state", "GET_ROWS"):
+            logical = seq * (a.size // n_seqs) + 3
+        else:
+            X = D_INNER if site == "y_scan" else a.size // (n_seqs * T)
+            logical = (seq * T + token) * X
+        idx = np.unravel_index(logical, a.shape)
+        a[idx] += delta * max(1.0, abs(float(a[idx])))
+    return hook
+
+
+D_INNER = 256
+
+
+def _run_fault(subject, ubatch, n_seqs, layer, site, u, seq, token):
+    hook = _fault(layer, site, u, n_seqs, seq, token, T=max(1, ubatch // n_seqs))
+    return compare(subject, ubatch, n_seqs, fault=hook)
+
+
+@pytest.mark.parametrize("case", [
+    # (ubatch, n_seqs, layer, site, ubatch index, seq, token in ubatch) -> found at the same place
+    (4, 1, 1, "conv", 1, 0, 2),              # an early layer, a DESIGN site
+    (4, 1, 10, "SSM_CONV", 2, 0, 1),         # a late layer, an op-named node
+    (8, 2, 3, "y_scan", 1, 1, 3),            # the second sequence only
+    (6, 2, 5, "B", 0, 0, 2),                 # a strided view (B is a view of the x_proj output)
+    (3, 1, 7, "RMS_NORM", 2, 0, 2),          # a norm
+    (4, 1, 4, "ssm_state", 1, 0, None),      # a state written at a ubatch end
+    (6, 2, 6, "GET_ROWS", 1, 1, 0),          # the second sequence's conv state read from the cache at a ubatch start
+], ids=["early-conv", "late-SSM_CONV", "second-seq-y_scan", "strided-B", "norm", "state-at-ubatch-end",
+        "state-read-second-seq"])
+def test_fault_is_localized(subject, case):
+    ub, S, layer, site, u, seq, tok = case
+    res = _run_fault(subject, ub, S, layer, site, u, seq, tok)
+    fd = res.first_divergence
+    assert fd is not None, f"fault at layer {layer} {site} not found"
+    T = max(1, ub // S)
+    want_tok = u * T + (T - 1 if tok is None else tok)
+    assert (fd["token"], fd["seq"], fd["layer"], fd["site"]) == (want_tok, seq, layer, site), fd
+
+
+def test_fault_that_cannot_trigger_at_this_ubatch_stays_clean(subject):
+    """A fault only in ubatches of more than 4 tokens (like a kernel path taken for ne[1] > 4) at -ub 4."""
+    hook = _fault(2, "conv", 0, 1, 0, 0, T=4, when=lambda node: node.ne[1] > 4)
+    res = compare(subject, 4, 1, fault=hook)
+    assert res.first_divergence is None
+    res = compare(subject, 8, 1, fault=hook)
+    assert res.first_divergence is not None and res.first_divergence["layer"] == 2
+
+
+def test_a_schedule_llamacpp_would_split_otherwise_is_refused(subject):
+    with pytest.raises(MambaDebugError, match="only 2 of the sequences"):
+        compare(subject, 1, 3)
+
+
+def test_foreign_library_is_refused(tmp_path):
+    other = ctypes.util.find_library("z") or ctypes.util.find_library("m")
+    found = [p for p in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/lib64")
+             if other and (Path(p) / other).is_file()]
+    if not found:
+        pytest.skip("no system library to stand in for a foreign one")
+    shutil.copy(Path(found[0]) / other, tmp_path / "libllama.so")
+    with pytest.raises(MambaDebugError, match="not a llama.cpp library"):
+        llib._open(tmp_path / "libllama.so")
+    with pytest.raises(MambaDebugError, match="struct ggml_tensor is 400 bytes"):
+        llib.check_layout("libllama.so", 432, None)
+    cpu = llib.Library(Path("libllama.so"), None, "x", "unknown", [("CPU", "cpu")])
+    with pytest.raises(MambaDebugError, match="no GPU backend"):
+        llib.check_device(cpu, "cuda")
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "mamba_debug", "compare", "--engine", "llama.cpp", "--device", "cpu",
+                           "--n-gen", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "libllama.so" in proc.stderr + proc.stdout and "not a llama.cpp library" in proc.stderr + proc.stdout
+
+
+def test_command_line_end_to_end(subject, tmp_path):
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "mamba_debug", "compare", "--engine", "llama.cpp", "--device", "cpu",
+                           "--model", str(subject[2]), "--ubatch", "3", "--n-seqs", "2", "--n-gen", "2",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no divergence" in proc.stdout
+    j = json.loads(out.read_text())
+    assert j["first_divergence"] is None and j["config"]["engine"] == "llama.cpp"
+    assert j["config"]["ubatch"] == 3 and j["config"]["ubatch_per_seq"] == 1
+
+
+def test_local_error_per_node_finds_where_an_error_is_born(subject):
+    """--local: each node's op recomputed in float64 from the inputs it read. Clean: every node within the fp32
+    floor; a fault written into SSM_CONV's output: that node is the first one past it, nothing before."""
+    loc = compare(subject, 4, 2, local=True).sides["device"].extra["local"]
+    assert loc["first_over"] is None and len(loc["max_per_node"]) > 100
+    res = compare(subject, 4, 2, fault=_fault(3, "SSM_CONV", 1, 2, 1, 0, T=2), local=True)
+    first = res.sides["device"].extra["local"]["first_over"]
+    assert (first["ubatch"], first["layer"], first["site"]) == (1, 3, "SSM_CONV"), first

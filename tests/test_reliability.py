@@ -1,0 +1,274 @@
+"""Issue 17, by class: hostile and careless input gets a clear error (exit 2); nothing is lost, half-written,
+silently wrong or run away. One test (or a few) per class; the property-based ones are in test_reliability_fuzz.py."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import random_model
+from mamba_debug import cli
+from mamba_debug.budget import check_host_memory
+from mamba_debug.compare import run_compare
+from mamba_debug.errors import CheckpointError, MambaDebugError
+from mamba_debug.io import load_model
+from mamba_debug.io.hf import save_hf
+from mamba_debug.refcheck import NonFiniteReference
+from mamba_debug.safeio import write_text
+from mamba_debug.settings import RunSettings
+
+FAST = ["--prompt", "1 2 3 4 5", "--n-gen", "1", "--device", "cpu"]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return save_hf(random_model(n_layer=2), tmp_path / "m")
+
+
+def _plugin(tmp_path, body: str):
+    p = tmp_path / "plug.py"
+    p.write_text("import sys, torch\nimport torch.nn.functional as F\n" + body)
+    return str(p)
+
+
+def _run(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# -- 1. no traceback reaches a user ------------------------------------------------------------------
+@pytest.mark.parametrize("body, words", [
+    ("def silu(x):\n    sys.exit(0)\nOPS = {'silu': silu}\n", ["plug", "silu", "SystemExit"]),
+    ("sys.exit(0)\nOPS = {}\n", ["plug.py", "failed to load", "SystemExit"]),
+    ("def silu(x):\n    return 'garbage'\nOPS = {'silu': silu}\n", ["plug", "silu", "not a tensor"]),
+    ("def silu(x):\n    raise ValueError('boom')\nOPS = {'silu': silu}\n", ["plug", "silu", "boom"]),
+])
+def test_plugin_that_exits_raises_or_returns_garbage_is_exit_2(tmp_path, folder, capsys, body, words):
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--kernels", _plugin(tmp_path, body), *FAST)
+    assert rc == 2 and "Traceback" not in err and err.count("\n") == 1
+    assert all(w in err for w in words), err
+
+
+def test_unexpected_error_is_one_line_and_debug_shows_the_traceback(folder, capsys, monkeypatch):
+    def broken(args):
+        raise ZeroDivisionError("x")
+    monkeypatch.setattr(cli, "cmd_compare", broken)
+    rc, _, err = _run(capsys, "compare", "--model", folder)
+    assert rc == 2 and "Traceback" not in err and "--debug" in err
+    rc, _, err = _run(capsys, "--debug", "compare", "--model", folder)
+    assert rc == 2 and "Traceback" in err
+
+
+# -- 2. outputs never destroy inputs -----------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--json", "--report", "--trace"])
+def test_output_that_is_a_model_file_is_refused(folder, capsys, flag):
+    target = folder / "model.safetensors"
+    before = target.read_bytes()
+    rc, _, err = _run(capsys, "compare", "--model", folder, flag, target, *FAST)
+    assert rc == 2 and "destroy" in err and target.read_bytes() == before
+
+
+def test_show_refuses_its_own_trace_and_export_gguf_its_model(tmp_path, folder, capsys):
+    trace = tmp_path / "t.safetensors"
+    assert _run(capsys, "compare", "--model", folder, "--trace", trace, *FAST)[0] in (0, 1)
+    before = trace.read_bytes()
+    assert _run(capsys, "show", trace, "--json", trace)[0] == 2 and trace.read_bytes() == before
+    g = tmp_path / "m.gguf"
+    assert _run(capsys, "export-gguf", "--model", folder, "--out", g)[0] == 0
+    assert _run(capsys, "export-gguf", "--model", g, "--out", g)[0] == 2
+
+
+def test_plugin_file_is_never_an_output(tmp_path, folder, capsys):
+    plug = _plugin(tmp_path, "OPS = {'silu': F.silu}\n")
+    assert _run(capsys, "compare", "--model", folder, "--kernels", plug, "--json", plug, *FAST)[0] == 2
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    from mamba_debug.safeio import atomic_path
+    target = tmp_path / "out.json"
+    write_text(target, "old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("disk full")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+
+
+# -- 3. non-finite is never agreement ------------------------------------------------------------------
+def test_weight_that_overflows_float32_is_refused_naming_the_tensor(tmp_path):
+    m = random_model(n_layer=2)
+    m.params["layers.1.D"][3] = 1e39
+    save_hf(m, tmp_path / "m", dtype=torch.float64)
+    with pytest.raises(CheckpointError, match=r"backbone\.layers\.1\.mixer\.D.*float32"):
+        load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("eps", [-1, 0, float("nan"), 5])
+def test_norm_eps_out_of_range_is_refused_naming_the_key(folder, eps):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["layer_norm_epsilon"] = eps
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="layer_norm_epsilon"):
+        load_model(folder)
+
+
+def test_reference_that_becomes_nan_is_reported_with_layer_and_site():
+    m = random_model(n_layer=2)
+    m.params["layers.0.norm"].fill_(3e38)     # finite in float32, but in_proj's sums overflow float32
+    with pytest.raises(NonFiniteReference, match="ref32.*layer 0, site norm"):
+        run_compare(m, [1, 2, 3], RunSettings(n_gen=0, device="cpu", kernels="torch"))
+
+
+@pytest.mark.parametrize("k", [float("nan"), float("inf"), 1.0, -3])
+def test_k_floor_must_be_finite_and_above_one(k):
+    with pytest.raises(MambaDebugError, match="k-floor"):
+        RunSettings(k_floor=k).validated(random_model().config)
+
+
+# -- 4. sides isolated ---------------------------------------------------------------------------------
+def test_plugin_writing_into_its_inputs_is_reported(tmp_path, folder, capsys):
+    plug = _plugin(tmp_path, "def silu(x):\n    out = F.silu(x)\n    x.zero_()\n    return out\nOPS = {'silu': silu}\n")
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--kernels", plug, *FAST)
+    assert rc == 2 and "silu" in err and "wrote into its input" in err
+
+
+def test_device_never_holds_a_reference_weight_tensor():
+    from mamba_debug.backends import cpu_backend, device_backend
+    m = random_model()
+    ref, dev = m.weights(cpu_backend()), m.weights(device_backend("torch", "cpu"))
+    assert all(ref[k].data_ptr() != dev[k].data_ptr() for k in ref)
+
+
+# -- 5. sizes before memory, arguments once ------------------------------------------------------------
+def test_config_declaring_ten_million_layers_is_refused_at_once(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] = 10 ** 7
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        load_model(folder)
+
+
+def test_gguf_header_with_a_huge_array_is_refused(tmp_path):
+    import struct
+    p = tmp_path / "x.gguf"
+    key = b"tokenizer.ggml.scores"
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                  + struct.pack("<IIQ", 9, 6, 2 ** 40) + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="array of"):
+        load_model(p)
+
+
+def test_run_that_does_not_fit_is_refused_with_the_figure_and_a_setting_that_fits():
+    cfg = random_model().config
+    with pytest.raises(MambaDebugError, match=r"GB.*--n-seqs \d+"):
+        check_host_memory(cfg, RunSettings(n_seqs=5000), 40, available=8e9)
+
+
+@pytest.mark.parametrize("argv", [["sweep", "--ubatches", "5..2"], ["sweep", "--n-seqs-list", ","],
+                                  ["compare", "--prompt", " "], ["compare", "--k-floor", "nan"],
+                                  ["compare", "--layers", ","]])
+def test_empty_reversed_or_nan_arguments_are_exit_2(folder, capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        rc = cli.main(argv[:1] + ["--model", str(folder)] + argv[1:] + ["--device", "cpu"])
+        raise SystemExit(rc)
+    assert e.value.code == 2
+
+
+def test_offload_beyond_the_layers_means_everything(folder):
+    m = load_model(folder)
+    s = RunSettings(offload=99).validated(m.config)
+    p = s.placement(m.config.n_layer)
+    assert p.first_device_layer == 0 and p.head_on_device and not math.isnan(s.k_floor)
+
+
+# -- 5. model folders and trace files --------------------------------------------------------------------
+def test_stray_second_weights_file_is_never_mixed_in(folder):
+    from safetensors.torch import save_file
+    save_file({"backbone.embeddings.weight": torch.zeros(61, 32)}, str(folder / "zz-other.safetensors"))
+    (folder / "README.md").write_text("hello")
+    m = load_model(folder)                                   # model.safetensors is the weights; the rest ignored
+    assert m.params["embed"].abs().sum() > 0
+    (folder / "model.safetensors").rename(folder / "a.safetensors")
+    with pytest.raises(CheckpointError, match="a.safetensors.*zz-other.safetensors"):
+        load_model(folder)
+
+
+def test_extra_layer_in_the_checkpoint_is_refused(tmp_path):
+    save_hf(random_model(n_layer=3), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="layer"):
+        load_model(tmp_path / "m")
+
+
+def test_trace_with_unknown_keys_or_contradicting_metadata_is_refused(tmp_path, folder, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    trace = tmp_path / "t.safetensors"
+    assert _run(capsys, "compare", "--model", folder, "--trace", trace, *FAST)[0] in (0, 1)
+    with safe_open(str(trace), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta = json.loads(header["result"])
+    for change in ({"surprise": 1}, {"n_prompt": 10 ** 6}, {"layer_sites": meta["layer_sites"][:1]}):
+        bad = tmp_path / "bad.safetensors"
+        save_file(tensors, str(bad), metadata={**header, "result": json.dumps({**meta, **change})})
+        rc, _, err = _run(capsys, "show", bad)
+        assert rc == 2 and "bad.safetensors" in err, (change, err)
+
+
+# -- 6. interrupts keep work and lose none ---------------------------------------------------------------
+def test_interrupted_sweep_keeps_finished_cells_apart_and_exits_130(tmp_path, folder, capsys, monkeypatch):
+    import mamba_debug.sweep as sweep
+    real, calls = sweep.run_compare, []
+
+    def stop_on_third(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(sweep, "run_compare", stop_on_third)
+    out = tmp_path / "sw.json"
+    out.write_text("previous")
+    rc, _, err = _run(capsys, "sweep", "--model", folder, "--workers", 1, "--ubatches", "1,2", "--json", out, *FAST)
+    partial = json.loads((tmp_path / "sw.incomplete.json").read_text())
+    assert rc == 130 and out.read_text() == "previous" and "sw.incomplete.json" in err
+    assert partial["incomplete"] and partial["cells_done"] >= 2 and partial["cells_done"] < partial["cells_total"]
+
+
+def test_sigterm_stops_a_parallel_sweep_within_seconds(tmp_path, folder):
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "sw.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-m", "mamba_debug", "sweep", "--model", str(folder), "--workers", "2",
+                          "--ubatches", "1..24", "--json", str(out), *FAST], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60            # wait for the workers (two spawned children), then let them run
+    while time.time() < deadline and p.poll() is None and len(
+            subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()) < 2:
+        time.sleep(0.2)
+    time.sleep(3)
+    assert p.poll() is None, "the sweep ended before the signal; make it longer"
+    workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    time.sleep(1)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    assert not alive, f"workers {alive} still running"
+    assert p.returncode == 130 and time.time() - t0 < 20 and "Traceback" not in err, err
+    assert not out.exists() and (tmp_path / "sw.incomplete.json").exists()
+
+
+def test_output_that_is_a_folder_is_refused_before_the_run(folder, capsys, monkeypatch):
+    import mamba_debug.compare as compare
+    monkeypatch.setattr(compare, "run_compare", lambda *a, **k: pytest.fail("ran before refusing"))
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--json", folder.parent, *FAST)
+    assert rc == 2 and "folder" in err
