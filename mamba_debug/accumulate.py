@@ -99,6 +99,26 @@ class Accumulator:
                         "device": perplexity(ld[:, :P], r.tokens[:, :P])}
 
 
+def merge_groups(res: CompareResult, parts: list):
+    """The results of groups of sequences run one after another (llama.cpp's split when -ub + 1 < n_seqs) as one
+    result: every [S, ...] array joined along the sequence axis, in sequence order."""
+    cat = lambda get: torch.cat([get(p) for p in parts], 0)  # noqa: E731
+    first = parts[0]
+    res.tokens = cat(lambda p: p.tokens)
+    res.token_info, res.trace_tokens = first.token_info, first.trace_tokens   # the same per group
+    res.errors = {k: {m: cat(lambda p: p.errors[k][m]) for m in v} for k, v in first.errors.items()}
+    res.floor = {k: cat(lambda p: p.floor[k]) for k in first.floor}
+    res.logits = {m: cat(lambda p: p.logits[m]) for m in first.logits}
+    res.trace = {k: cat(lambda p: p.trace[k]) for k in first.trace}
+    res.local = {k: cat(lambda p: p.local[k]) for k in first.local}
+    rep = [p.nondeterminism for p in parts if p.nondeterminism]
+    res.nondeterminism = max(rep, key=lambda r: r["rel_l2"]) if rep else None
+    n = [p.tokens.shape[0] for p in parts]      # perplexity: a mean of NLL over equal-length sequences
+    res.perplexity = {k: math.exp(sum(m * math.log(p.perplexity[k]) for m, p in zip(n, parts)) / sum(n))
+                      for k in first.perplexity}
+    res.generations = {k: [x for p in parts for x in p.generations[k]] for k in first.generations}
+
+
 def _cat_cpu(chunks: list) -> torch.Tensor:
     """[S, t] metric chunks of the ubatches, on the reference's device -> one [S, n_tok] CPU tensor."""
     return torch.cat(chunks, 1).cpu()

@@ -14,6 +14,7 @@ its metrics are taken (`budget.ubatch_capture_bytes`), so the ubatch size bounds
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional
 
@@ -26,7 +27,7 @@ from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (th
 from .model import Model, Runner, check_tokens
 from .settings import K_FLOOR, RunSettings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
-from .accumulate import Accumulator
+from .accumulate import Accumulator, merge_groups
 from .refcheck import check_reference
 from .sides.base import SharedReference
 from .sides.torch_side import TorchSide
@@ -61,7 +62,9 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     if ref_device.type == "cuda":
         check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
     t0 = time.perf_counter()
-    sides = build_sides(model, s, placement, ref_device, SharedReference(_cache_for(ref_cache, model, tokens, s)))
+    groups = s.seq_groups(tokens.shape[0])
+    shared = lambda a, b: SharedReference(_cache_for(ref_cache, model, tokens[a:b], s))  # noqa: E731
+    sides = build_sides(model, s, placement, ref_device, shared(*groups[0]))
     dev = sides["device"]
     layer_sites = dev.layer_sites() if hasattr(dev, "layer_sites") else [lt.sites for lt in dev.runner.layer_types]
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict(),
@@ -71,7 +74,15 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
                         tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
     res.observed = {k: sides[k].observed_sites() for k in res.sides}
     with cpu_threads_for(cfg):
-        _Loop(model, s, sides).run(tokens, res, progress)
+        parts = []
+        for i, (a, b) in enumerate(groups):     # one group unless -ub + 1 < n_seqs (llama.cpp's split, see settings)
+            if i:                               # the reference cache of a sweep is kept per group of sequences
+                sides["ref32"].shared = sides["ref64"].shared = shared(a, b)
+            part = res if len(groups) == 1 else dataclasses.replace(res, tokens=tokens[a:b], token_info=[])
+            _Loop(model, s, sides, first_seq=a).run(tokens[a:b], part, progress)
+            parts.append(part)
+        if len(parts) > 1:
+            merge_groups(res, parts)
         if hasattr(sides["device"], "observer_effect"):      # an engine traced from outside: does tracing change it?
             sides["device"].observer_effect()
             sides["device"].close()
@@ -116,8 +127,8 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
 class _Loop:
     """The lock-step loop over ubatches, the device's fork for its own generation, and the generations."""
 
-    def __init__(self, model: Model, s: RunSettings, sides: dict):
-        self.model, self.s, self.sides = model, s, sides
+    def __init__(self, model: Model, s: RunSettings, sides: dict, first_seq: int = 0):
+        self.model, self.s, self.sides, self.first_seq = model, s, sides, first_seq
         self.ref = sides["ref64" if s.reference_is_float64 else "ref32"]
         self.dev = sides["device"]
         self.shared = sides["ref32"].shared
@@ -127,7 +138,7 @@ class _Loop:
     def run(self, tokens, res: CompareResult, progress):
         S, P = tokens.shape
         for side in self.sides.values():
-            side.reset(self.s, S)
+            side.reset(self.s, S, first_seq=self.first_seq)
         B = self.s.ubatch_per_seq(S)          # -ub counts tokens across the sequences (llama.cpp's equal split)
         schedule = [tokens[:, i:i + B] for i in range(0, P, B)]
         self.sides["ref32"].keep_states_after_from = len(schedule) - 1     # where generated tokens are chosen

@@ -120,10 +120,6 @@ class RunSettings:
                 raise MambaDebugError(f"capture layer {layer} out of range 0..{cfg.n_layer - 1}")
         if self.engine not in ENGINES:
             raise MambaDebugError(f"unknown engine {self.engine!r}: choose one of {ENGINES}")
-        if self.engine == "llama.cpp" and self.ubatch + 1 < self.n_seqs:
-            raise MambaDebugError(f"--engine llama.cpp with --ubatch {self.ubatch} and --n-seqs {self.n_seqs}: llama.cpp "
-                                  f"then puts only {self.ubatch + 1} of the sequences in a ubatch, a schedule "
-                                  f"mamba-debug does not run yet; use --ubatch >= {self.n_seqs - 1}")
         if self.engine == "llama.cpp" and self.repeat > 1:
             raise MambaDebugError("--repeat runs the torch device side again; with --engine llama.cpp it is not "
                                   "available yet (the side reports its observer effect instead)")
@@ -143,7 +139,20 @@ class RunSettings:
 
     def ubatch_per_seq(self, n_seqs: Optional[int] = None) -> int:
         """Tokens of each sequence in one ubatch: llama.cpp's equal split of -ub over the sequences."""
-        return max(1, self.ubatch // (n_seqs or self.n_seqs))
+        return max(1, self.ubatch // min(n_seqs or self.n_seqs, self.ubatch + 1))
+
+    def seqs_per_ubatch(self, n_seqs: Optional[int] = None) -> int:
+        """Sequences in one ubatch. llama.cpp's `split_equal` takes sequences until it holds one more than -ub
+        (`cur_seq_set.size() > n_ubatch`), so -ub B puts min(S, B + 1) sequences, one token each when B < S."""
+        return min(n_seqs or self.n_seqs, self.ubatch + 1)
+
+    def seq_groups(self, n_seqs: Optional[int] = None) -> list:
+        """The sequences that share ubatches, as (first, stop) ranges. One range unless -ub + 1 < S: then
+        llama.cpp's equal split runs groups of -ub + 1 sequences, each group's tokens before the next group's (the
+        order it takes them from one batch holding every sequence's prompt)."""
+        S = n_seqs or self.n_seqs
+        G = self.seqs_per_ubatch(S)
+        return [(a, min(a + G, S)) for a in range(0, S, G)]
 
     @property
     def reference_is_float64(self) -> bool:

@@ -71,6 +71,34 @@ def test_correct_ops_never_diverge(model, ubatch, n_seqs):
         assert res.logits["top1"].min() == 1.0
 
 
+SEQ2_SCAN = '''
+import torch
+from mamba_debug.ops import ssm_scan as ref
+def ssm_scan(state, x, dt, A, B, C, *, states_out=None):
+    y, h = ref(state, x, dt, A, B, C, states_out=states_out)
+    if x.shape[0] == 1:                # only in a ubatch holding a single sequence
+        y = y.clone(); y[0, 0, 2] += 1.0
+    return y, h
+OPS = {"ssm_scan": ssm_scan}
+'''
+
+
+def test_fewer_ubatch_tokens_than_sequences_runs_llamacpps_groups(model, plugin):
+    """-ub 1, 3 sequences: llama.cpp's equal split runs sequences 0-1 together (B + 1 of them), then sequence 2
+    alone, each group's tokens before the next one's. The merged result equals separate runs of each group."""
+    s = CompareSettings(ubatch=1, n_seqs=3)
+    assert s.seq_groups() == [(0, 2), (2, 3)] and s.seqs_per_ubatch() == 2 and s.ubatch_per_seq() == 1
+    assert CompareSettings(ubatch=2, n_seqs=3).seq_groups() == [(0, 3)]
+    res = _run(model, offload=2, ubatch=1, n_seqs=3)
+    assert res.first_divergence is None and res.tokens.shape[0] == 3
+    assert len(res.generations["device"]) == 3 and res.errors[(1, "y_scan")]["rel_l2"].shape[0] == 3
+    fd = _run(model, offload=2, ubatch=1, n_seqs=3, kernels=plugin(SEQ2_SCAN)).first_divergence
+    assert (fd["seq"], fd["token"], fd["layer"], fd["site"]) == (2, 0, 2, "y_scan"), fd
+    assert _run(model, offload=2, ubatch=2, n_seqs=3, kernels=plugin(SEQ2_SCAN)).first_divergence is None
+    whole = to_json(_run(model, offload=2, ubatch=1, n_seqs=3))
+    assert whole["config"]["seqs_per_ubatch"] == 2
+
+
 def test_float64_reference_side_has_no_false_alarm(model):
     assert _run(model, offload=5, reference="float64").first_divergence is None
 

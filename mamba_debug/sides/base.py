@@ -28,7 +28,7 @@ class StepOutput:
 class Side(Protocol):
     info: SideInfo
 
-    def reset(self, settings: RunSettings, n_seqs: int) -> None: ...
+    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0) -> None: ...   # first_seq: slot of seq 0
 
     def observed_sites(self) -> frozenset: ...
 

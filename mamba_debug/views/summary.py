@@ -67,6 +67,7 @@ def to_json(res: CompareResult) -> dict:
                    "reference": s.reference, "ref_device": s.ref_device, "k_floor": s.k_floor, "capture": s.capture,
                    "local": s.local, "repeat": s.repeat, "model": res.model_info,
                    "engine": s.engine, "ubatch_per_seq": s.ubatch_per_seq(),
+                   "seqs_per_ubatch": s.seqs_per_ubatch(),
                    **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {})},
         "first_divergence": _with_node(fd, res.sides["device"].extra),
         "verdict": verdict(res),

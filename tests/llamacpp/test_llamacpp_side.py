@@ -50,8 +50,8 @@ def compare(subject, ubatch, n_seqs, fault=None, **kw):
         lside.FAULT = None
 
 
-@pytest.mark.parametrize("ubatch, n_seqs", [(1, 1), (2, 1), (3, 1), (8, 1), (512, 1), (1, 2), (3, 2), (2, 3),
-                                            (8, 3), (512, 3)])
+@pytest.mark.parametrize("ubatch, n_seqs", [(1, 1), (2, 1), (3, 1), (8, 1), (512, 1), (1, 2), (3, 2), (1, 3),
+                                            (2, 3), (8, 3), (512, 3)])
 def test_agrees_with_the_reference(subject, ubatch, n_seqs):
     res = compare(subject, ubatch, n_seqs)
     assert res.first_divergence is None, res.first_divergence
@@ -67,14 +67,17 @@ def test_agrees_with_the_reference(subject, ubatch, n_seqs):
         assert isinstance(row[site]["max_rel_l2"], float), site
     first_ub = res.token_info[0].ubatch_len
     assert first_ub == min(max(1, ubatch // n_seqs), res.n_prompt)
+    assert c["seqs_per_ubatch"] == min(n_seqs, ubatch + 1) and len(j["generations"]["device"]) == n_seqs
 
 
-def _fault(layer, site, ubatch, n_seqs, seq, token=None, T=None, delta=0.05, when=None):
+def _fault(layer, site, ubatch, n_seqs, seq, token=None, T=None, delta=0.05, when=None, group=0):
     """Adds delta to one element of node (layer, site) in one ubatch: sequence `seq`, token `token` of the ubatch
-    (a state: element 3 of the sequence's row). The element is found in the node's own layout, [X, T, S] with X
+    (a state: element 3 of the sequence's row); `seq` counts from the group's first sequence `group` (llama.cpp's
+    groups of -ub + 1 sequences when -ub + 1 < n_seqs). The element is found in the node's own layout, [X, T, S] with X
     fastest (ggml's ne order), through its byte strides: a strided view is written where it really lies."""
-    def hook(node, a, u):
-        if node.layer != layer or node.site != site or u != ubatch or (when and not when(node)):
+    def hook(node, a, u, first_seq):
+        if (node.layer != layer or node.site != site or u != ubatch or first_seq != group
+                or (when and not when(node))):
             return
         if site in ("ssm_state", "conv_state", "GET_ROWS"):
             logical = seq * (a.size // n_seqs) + 3
@@ -124,9 +127,13 @@ def test_fault_that_cannot_trigger_at_this_ubatch_stays_clean(subject):
     assert res.first_divergence is not None and res.first_divergence["layer"] == 2
 
 
-def test_a_schedule_llamacpp_would_split_otherwise_is_refused(subject):
-    with pytest.raises(MambaDebugError, match="only 2 of the sequences"):
-        compare(subject, 1, 3)
+def test_fewer_ubatch_tokens_than_sequences_runs_llamacpps_groups(subject):
+    """-ub 1 with 3 sequences: llama.cpp's equal split runs sequences 0-1 together, then sequence 2 alone; a fault
+    in the second group's graph (its sequence 0 there) is found at sequence 2, with its own seq id kept."""
+    res = compare(subject, 1, 3, fault=_fault(4, "y_scan", 5, 1, 0, 0, T=1, group=2))
+    fd = res.first_divergence
+    assert (fd["seq"], fd["token"], fd["layer"], fd["site"]) == (2, 5, 4, "y_scan"), fd
+    assert res.errors[(4, "y_scan")]["rel_l2"].shape[0] == 3
 
 
 def test_foreign_library_is_refused(tmp_path):

@@ -60,7 +60,7 @@ class LlamaCppSide:
         self.lib = load_library(s.llama_lib, s.device)
         self.gguf = gguf_for(model)
         self.tracing, self.u, self.error = True, -1, None
-        self.n_seqs = None
+        self.n_seqs, self.n_slots, self.first_seq = None, None, 0
         self.local = LocalErrors(s.k_floor) if s.local else None
         self._weights = {}
         self._observed = self.observed_sites()
@@ -122,12 +122,17 @@ class LlamaCppSide:
         self.mem = lib.llama_get_memory(self.ctx)
 
     # -- the Side seam ----------------------------------------------------------------------------
-    def reset(self, settings: RunSettings, n_seqs: int):
-        if self.ctx is None or n_seqs != self.n_seqs:
-            self._context(n_seqs, 4096)
+    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0):
+        """Fresh states for sequences first_seq .. first_seq + n_seqs - 1, in a context with a slot for each of the
+        run's sequences (a group of them when -ub + 1 < n_seqs: llama.cpp's own seq ids, never renumbered)."""
+        if self.ctx is None or settings.n_seqs != self.n_slots:
+            self._context(settings.n_seqs, 4096)
+            self.n_slots = settings.n_seqs
         self.lib.llama_memory_clear(self.mem, True)
-        self.n_seqs, self.u, self.pos = n_seqs, -1, [0] * n_seqs
-        self._prev_conv, self._history = {}, []
+        self.n_seqs, self.first_seq, self.u, self.pos = n_seqs, first_seq, -1, [0] * n_seqs
+        self._prev_conv = {}
+        if first_seq == 0:
+            self._history = []
 
     def observed_sites(self) -> frozenset:
         return frozenset([(i, s) for i in range(self.cfg.n_layer) for s in LAYER_SITES] +
@@ -149,11 +154,11 @@ class LlamaCppSide:
                                   f"to compare another schedule than the one the reference ran")
         g = graphs[0]
         self._check_schedule(g, tokens)
-        if self.u == 0:
+        if self.u == 0 and self.first_seq == 0:
             self.info.extra["nodes"] = [{"index": n.index, "layer": n.layer, "site": n.site, "op": n.op,
                                          "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
                                         for n in g["map"].nodes.values() if n.site]
-        self._history.append((tokens, logits, time.perf_counter() - t0))
+        self._history.append((self.first_seq, tokens, logits, time.perf_counter() - t0))
         try:
             sites = self._sites(g, tokens.shape[0], tokens.shape[1], logits)
         except ValueError as exc:       # a node of another shape than the Mamba-1 graph this map reads
@@ -170,10 +175,11 @@ class LlamaCppSide:
     def observer_effect(self) -> dict:
         """The whole schedule again from empty states with nothing observed (the callback answers no to every ask):
         its logits against the traced run's, bitwise, and the time of both. Leaves the states at the schedule's end."""
-        self.lib.llama_memory_clear(self.mem, True)
-        self.pos = [0] * self.n_seqs
         first, worst, untraced = None, 0.0, 0.0
-        for u, (tokens, logits, _) in enumerate(self._history):
+        for u, (first_seq, tokens, logits, _) in enumerate(self._history):
+            if u == 0 or first_seq != self.first_seq:       # a new group of sequences starts from empty states
+                self.lib.llama_memory_clear(self.mem, True)
+                self.first_seq, self.n_seqs, self.pos = first_seq, tokens.shape[0], [0] * tokens.shape[0]
             t0 = time.perf_counter()
             plain = self._decode(tokens, trace=False)[0]
             untraced += time.perf_counter() - t0
@@ -181,7 +187,7 @@ class LlamaCppSide:
                 first = u if first is None else first
                 worst = max(worst, float((plain - logits).abs().max()))
         out = {"logits_bitwise_identical": first is None, "first_different_ubatch": first, "max_abs_diff": worst,
-               "traced_s": round(sum(h[2] for h in self._history), 4), "untraced_s": round(untraced, 4),
+               "traced_s": round(sum(h[-1] for h in self._history), 4), "untraced_s": round(untraced, 4),
                "untraced_means": "the eval callback answers no to every ask"}
         self.info.extra["observer_effect"] = out
         if self.local is not None:
@@ -200,17 +206,18 @@ class LlamaCppSide:
     def save_state(self) -> object:
         out = []
         for s in range(self.n_seqs):
-            n = self.lib.llama_state_seq_get_size(self.ctx, s)
+            n = self.lib.llama_state_seq_get_size(self.ctx, self.first_seq + s)
             buf = (ctypes.c_uint8 * n)()
-            self.lib.llama_state_seq_get_data(self.ctx, buf, n, s)
+            self.lib.llama_state_seq_get_data(self.ctx, buf, n, self.first_seq + s)
             out.append(bytes(buf))
         return {"seqs": out, "pos": list(self.pos)}
 
     def load_state(self, state) -> None:
         for s, data in enumerate(state["seqs"]):
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-            if self.lib.llama_state_seq_set_data(self.ctx, buf, len(data), s) != len(data):
-                raise MambaDebugError(f"{self.lib.path}: llama_state_seq_set_data failed for sequence {s}")
+            if self.lib.llama_state_seq_set_data(self.ctx, buf, len(data), self.first_seq + s) != len(data):
+                raise MambaDebugError(f"{self.lib.path}: llama_state_seq_set_data failed for sequence "
+                                      f"{self.first_seq + s}")
         self.pos = list(state["pos"])
 
     def free_step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -229,7 +236,7 @@ class LlamaCppSide:
                 for j in range(T):
                     k = s * T + j
                     b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = int(ids[s][j]), self.pos[s] + j, 1, 1
-                    b.seq_id[k][0] = s
+                    b.seq_id[k][0] = self.first_seq + s
             b.n_tokens = S * T
             self.tracing, self.graphs, self.error, self.names = trace, [], None, {}
             rc = lib.llama_decode(self.ctx, b)
@@ -267,7 +274,7 @@ class LlamaCppSide:
             data = None
             if node.site and (node.layer, node.site) in self._observed:
                 if FAULT is not None:
-                    FAULT(node, host_array(node), self.u)
+                    FAULT(node, host_array(node), self.u, self.first_seq)
                 data = g["data"][(node.layer, node.site)] = read_data(self.lib, node)
             if self.local is not None:
                 self._local(g, node, data)
