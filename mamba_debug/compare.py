@@ -89,6 +89,10 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     res.timings["compare_s"] = time.perf_counter() - t0
     res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
     res.first_divergence = find_first_divergence(res)
+    judge = getattr(sides["device"], "judge", None)     # an engine that knows its arithmetic paths (llama.cpp)
+    if judge is not None:
+        res.first_divergence, res.precision = judge(res)
+        res.judged = True
     return res
 
 

@@ -83,6 +83,8 @@ class CompareResult:
     perplexity: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     first_divergence: Optional[dict] = None
+    precision: Optional[dict] = None               # llama.cpp on reduced-precision paths: the excess they explain
+    judged: bool = False                           # first_divergence set by the side's own verdict, not recomputable
 
     @property
     def n_layer(self) -> int:
@@ -183,7 +185,9 @@ def save_trace(res: CompareResult, path) -> Path:
             "thresholds": {_key(k): v for k, v in res.thresholds.items()},
             "trace_tokens": {_key(k): v for k, v in res.trace_tokens.items()},
             "nondeterminism": res.nondeterminism, "generations": res.generations,
-            "perplexity": res.perplexity, "timings": res.timings}
+            "perplexity": res.perplexity, "timings": res.timings,
+            **({"judged": {"first_divergence": res.first_divergence, "precision": res.precision}} if res.judged
+               else {})}
     from .safeio import atomic_path  # noqa: PLC0415
     path = Path(path)
     with atomic_path(path) as tmp:
@@ -245,4 +249,7 @@ def _from_file(meta, tensors: dict, path) -> CompareResult:
     check_numbers(res.settings)
     check_result(res, path)
     res.first_divergence = find_first_divergence(res)
+    if "judged" in meta:                # a side's own verdict (llama.cpp's precision-aware one) is kept as given
+        res.first_divergence, res.precision = meta["judged"]["first_divergence"], meta["judged"]["precision"]
+        res.judged = True
     return res

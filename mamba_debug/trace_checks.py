@@ -11,6 +11,7 @@ from .errors import MambaDebugError
 
 META_KEYS = {"settings", "model_info", "sides", "layer_sites", "observed", "placement", "n_prompt", "token_info",
              "thresholds", "trace_tokens", "nondeterminism", "generations", "perplexity", "timings"}
+OPTIONAL_META = {"judged"}
 TENSOR_KINDS = {"tokens", "err", "floor", "logits", "trace", "local"}
 
 
@@ -20,7 +21,7 @@ def check_meta(meta, tensors: dict, path) -> None:
                               f"or has been edited: re-run the comparison to get a new trace")
     if not isinstance(meta, dict):
         bad("its metadata is not an object")
-    unknown, missing = set(meta) - META_KEYS, META_KEYS - set(meta)
+    unknown, missing = set(meta) - META_KEYS - OPTIONAL_META, META_KEYS - set(meta)
     if unknown or missing:
         bad(f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}")
     kinds = {k.partition("/")[0] for k in tensors}

@@ -70,6 +70,9 @@ def to_json(res: CompareResult) -> dict:
                    "seqs_per_ubatch": s.seqs_per_ubatch(),
                    **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {})},
         "first_divergence": _with_node(fd, res.sides["device"].extra),
+        **({"precision": res.precision["items"] if res.precision else [],
+            "precision_summary": {k: v for k, v in res.precision.items() if k != "items"} if res.precision else None}
+           if res.judged else {}),
         "verdict": verdict(res),
         "logits": {"kld_mean": json_num(lg["kld"].mean()), "kld_max": json_num(lg["kld"].max()),
                    "top1_agreement": json_num(lg["top1"].mean()), "rms_dp_mean": json_num(lg["rms_dp"].mean()),
@@ -94,6 +97,8 @@ def not_observed(res: CompareResult) -> list:
 
 def verdict(res: CompareResult) -> str:
     fd = res.first_divergence
+    if fd is None and res.precision:
+        return f"no divergence beyond precision: {res.precision['text']}"
     if fd is None:
         worst = max((nanmax(res.errors[k]["rel_l2"]) / res.thresholds[k] for k in res.errors if res.is_observed(k)),
                     default=0.0)

@@ -3,8 +3,12 @@ the node really read (as observed, before anything could overwrite them), agains
 separates the error a node makes from the error it inherits: a node whose local error passes its path's floor is
 where an error is born, whatever its inputs carried.
 
-Ops: RMS_NORM, MUL_MAT, SSM_CONV, SSM_SCAN (Mamba-1), SILU, SWIGLU, MUL, ADD. Arrays are in ggml's order reversed
-(numpy shape ne[3], ne[2], ne[1], ne[0]), as nodes.read_data gives them.
+Ops: RMS_NORM, MUL_MAT, SSM_CONV, SSM_SCAN (Mamba-1), SILU, SWIGLU, MUL, ADD, and the data movers CONT, CPY,
+GET_ROWS, CONCAT (exact: a strided view read as contiguous shows here). Arrays are in ggml's order reversed (numpy
+shape ne[3], ne[2], ne[1], ne[0]), as nodes.read_data gives them.
+
+Each node is judged against the floor of the arithmetic path it ran on (`path_of`): FP32 paths (every CPU node)
+k x FP32_FLOOR, TF32 paths (CUDA's mmf tile kernel and cuBLAS on its TF32 handle) TF32_LIMIT.
 """
 from __future__ import annotations
 
@@ -13,7 +17,12 @@ import struct
 import numpy as np
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
-OPS = ("RMS_NORM", "MUL_MAT", "SSM_CONV", "SSM_SCAN", "SILU", "SWIGLU", "MUL", "ADD")
+# One TF32 matmul's local rel. L2 on the H200: cuBLAS 3-5e-4, mmf up to 1.2e-3 (research/llamacpp-tracing.md 4.5;
+# mmf truncates its operands). A TF32 node is excused up to this; beyond it, it is a fault like any other.
+TF32_FLOOR = 1.2e-3
+TF32_LIMIT = 4 * TF32_FLOOR
+OPS = ("RMS_NORM", "MUL_MAT", "SSM_CONV", "SSM_SCAN", "SILU", "SWIGLU", "MUL", "ADD", "CONT", "CPY", "GET_ROWS",
+       "CONCAT")
 
 
 def recompute(op: str, srcs: list, out_shape: tuple, op_params) -> np.ndarray | None:
@@ -42,6 +51,12 @@ def recompute(op: str, srcs: list, out_shape: tuple, op_params) -> np.ndarray | 
         return np.swapaxes(out, 1, 2)[None]     # (1, S, T, D)
     if op == "SSM_SCAN":
         return _scan(srcs, out_shape)
+    if op in ("CONT", "CPY"):                   # the same values in the node's own order
+        return srcs[0].reshape(out_shape) if srcs[0].size == int(np.prod(out_shape)) else None
+    if op == "GET_ROWS" and srcs[0].ndim == 4 and srcs[0].shape[:2] == (1, 1):
+        return srcs[0][0, 0][srcs[1].reshape(-1).astype(np.int64)].reshape(out_shape)
+    if op == "CONCAT":
+        return np.concatenate([srcs[0], srcs[1]], axis=3 - int(op_params[0]))
     return None
 
 
@@ -78,27 +93,59 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
+def path_of(node) -> str:
+    """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32; on CUDA
+    an f32 MUL_MAT of <= 3 columns runs the FP32 vector kernel, 4..16 columns the TF32 mmf tile kernel, more cuBLAS
+    on a TF32 handle."""
+    if not node.backend.startswith("CUDA") or node.backend == "CUDA_Host" or node.op != "MUL_MAT":
+        return "fp32"
+    cols = node.ne[1]
+    if cols <= 3:
+        return "fp32 (mmvf)"
+    if cols <= 16 and node.ne[0] % 32 == 0:
+        return "tf32 (mmf, no switch)"
+    return "tf32 (cuBLAS; NVIDIA_TF32_OVERRIDE=0 makes it fp32)"
+
+
 class LocalErrors:
-    """Per mapped node: the largest local error over the run, and the first node past k x its path's floor."""
+    """Per mapped node: the largest local error over the run; the first node past k x the FP32 floor (`first_over`,
+    what `--local` reports); the first node past its own path's limit (`first_fault`: an FP32 node past k x the
+    FP32 floor, a TF32 node past TF32_LIMIT); and the reduced-precision nodes whose error the FP32 threshold would
+    not excuse (`excused`)."""
 
     def __init__(self, k_floor: float):
         self.k = k_floor
         self.worst: dict = {}
-        self.first = None
+        self.first = self.fault = None
+        self.excused: dict = {}
+        self.reduced = False            # did any node run on a reduced-precision path
 
-    def add(self, node, srcs: list, got: np.ndarray, u: int):
+    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0):
+        path = path_of(node)
+        self.reduced |= not path.startswith("fp32")
         if node.op not in OPS or any(a is None for a in srcs):
             return
         want = recompute(node.op, [a.astype(np.float64) for a in srcs], got.shape, node.extra.get("op_params", ()))
         if want is None or want.shape != got.shape:
             return
         err = rel_l2(got.astype(np.float64), want)
-        key = f"{'head' if node.layer is None else node.layer}.{node.site or node.op}"
+        site = node.site or node.op
+        key = f"{'head' if node.layer is None else node.layer}.{site}"
         self.worst[key] = max(self.worst.get(key, 0.0), err)
+        where = {"ubatch": u, "first_seq": first_seq, "layer": node.layer, "site": site, "op": node.op,
+                 "name": node.name, "path": path, "error": err}
         if self.first is None and err > self.k * FP32_FLOOR:
-            self.first = {"ubatch": u, "layer": node.layer, "site": node.site or node.op, "op": node.op,
-                          "name": node.name, "error": err, "threshold": self.k * FP32_FLOOR}
+            self.first = {**where, "threshold": self.k * FP32_FLOOR}
+        limit = self.k * FP32_FLOOR if path.startswith("fp32") else TF32_LIMIT
+        if err > limit:
+            if self.fault is None:
+                self.fault = {**where, "threshold": limit}
+        elif err > self.k * FP32_FLOOR:
+            old = self.excused.get((key, path))
+            if old is None or err > old["error"]:
+                self.excused[(key, path)] = {**where, "floor": TF32_FLOOR, "limit": limit, "index": node.index}
 
     def to_dict(self) -> dict:
-        return {"floor": FP32_FLOOR, "threshold": self.k * FP32_FLOOR, "first_over": self.first,
+        return {"floor": FP32_FLOOR, "threshold": self.k * FP32_FLOOR, "tf32_limit": TF32_LIMIT,
+                "first_over": self.first, "first_fault": self.fault,
                 "max_per_node": {k: v for k, v in self.worst.items()}}

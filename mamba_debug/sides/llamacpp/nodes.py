@@ -127,6 +127,10 @@ class GraphMap:
             self.names[addr] = name
         return name
 
+    def by_name(self, name: str) -> Optional[Node]:
+        """The latest node of this graph with that name (node names repeat only as "node_<index>", unique)."""
+        return next((n for n in reversed(list(self.nodes.values())) if n.name == name), None)
+
     def add(self, node: Node) -> Node:
         node.layer, weight, cache = self._layer(node)
         node.extra["weight"] = weight

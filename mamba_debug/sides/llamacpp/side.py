@@ -24,7 +24,8 @@ from ..base import StepOutput
 from .lib import EvalCallback, GgmlTensor, LogCallback, load_library
 from .reference import derived_sites
 from .local import OPS as LOCAL_OPS
-from .local import LocalErrors
+from .local import LocalErrors, path_of
+from .precision import judge
 from .nodes import DTYPES, HEAD_SITES, LAYER_SITES, GraphMap, host_array, read_data, read_node
 
 # Tests inject faults here: fn(node, array, ubatch_index) is called in the observe call of every mapped node,
@@ -61,7 +62,8 @@ class LlamaCppSide:
         self.gguf = gguf_for(model)
         self.tracing, self.u, self.error = True, -1, None
         self.n_seqs, self.n_slots, self.first_seq = None, None, 0
-        self.local = LocalErrors(s.k_floor) if s.local else None
+        # on CUDA the local errors are what tells TF32 precision from a fault (precision.py): always measured there
+        self.local = LocalErrors(s.k_floor) if s.local or s.device == "cuda" else None
         self._weights = {}
         self._observed = self.observed_sites()
         self._load()
@@ -194,6 +196,10 @@ class LlamaCppSide:
             self.info.extra["local"] = self.local.to_dict()
         return out
 
+    def judge(self, res):
+        """(first_divergence, precision): the precision-aware verdict (precision.py); unchanged without local errors."""
+        return judge(res, self.local) if self.local is not None else (res.first_divergence, None)
+
     def close(self):
         """Free the context and the model (a sweep builds one side per cell)."""
         if self.ctx:
@@ -291,16 +297,22 @@ class LlamaCppSide:
         data = read_data(self.lib, node) if data is None else data
         g.setdefault("all", {})[node.addr] = data
         if node.op in LOCAL_OPS and node.layer is not None or node.name in ("result_norm", "result_output", "norm"):
-            srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(a) for a in node.src]
-            self.local.add(node, srcs, data, self.u)
+            srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
+            self.local.add(node, srcs, data, self.u, self.first_seq)
 
-    def _leaf(self, addr: int):
-        """A source that is not a node of this graph: a weight (read once) or an input of this ubatch."""
+    def _leaf(self, g: dict, addr: int):
+        """A source that is not a node of this graph: a weight (read once), an input of this ubatch, or the
+        scheduler's copy of a node for another backend ("CUDA0#node_3#0"): that node's values as observed, since the
+        copy's memory may already hold something else when its consumer is observed."""
         if addr in self._weights:
             return self._weights[addr]
         leaf = read_node(self.lib, addr, -1)
         if leaf.type not in DTYPES:
             return None
+        if leaf.name.count("#") >= 2:
+            orig = g["map"].by_name(leaf.name.split("#")[1])
+            if orig is not None and orig.addr in g.get("all", {}):
+                return g["all"][orig.addr].reshape(leaf.ne[::-1])
         data = read_data(self.lib, leaf)
         if leaf.name.startswith(("blk.", "token_embd", "output")):
             self._weights[addr] = data
@@ -347,20 +359,6 @@ def _fp32_everywhere(s: RunSettings) -> dict:
     return {"asked": True, "set": ["NVIDIA_TF32_OVERRIDE=0", "op_offload=false"],
             "not_switchable": ["CUDA mmf tile kernel (f32 matmuls of 4..16 columns): TF32 MMA in inline PTX, no switch"
                                "; keep -ub per sequence <= 3 to avoid it"]}
-
-
-def path_of(node) -> str:
-    """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32."""
-    if not node.backend.startswith("CUDA") or node.backend == "CUDA_Host":
-        return "fp32"
-    if node.op != "MUL_MAT":
-        return "fp32"
-    cols = node.ne[1]
-    if cols <= 3:
-        return "fp32 (mmvf)"
-    if cols <= 16 and node.ne[0] % 32 == 0:
-        return "tf32 (mmf, no switch)"
-    return "tf32 (cuBLAS; NVIDIA_TF32_OVERRIDE=0 makes it fp32)"
 
 
 def _short(a) -> str:

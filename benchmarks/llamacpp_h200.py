@@ -1,0 +1,91 @@
+"""llama.cpp's CUDA build traced on the H200: the grid of issue #14 (item 11).
+
+Run on the GPU machine after benchmarks/llamacpp_h200_build.sh (LLAMA_CPP_LIB_PATH=build/llama-cuda/bin):
+    python3 benchmarks/llamacpp_h200.py [smoke|grid] [--out DIR]
+Prints one row per cell (engine, -ngl, -ub, sequences): the verdict, the first divergence, the largest logit error
+against the float64 reference, the arithmetic paths that ran, tracing cost; writes the rows as JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import mamba_debug as md  # noqa: E402
+from mamba_debug.compare import run_compare  # noqa: E402
+from mamba_debug.settings import RunSettings  # noqa: E402
+from mamba_debug.views.summary import to_json  # noqa: E402
+
+PROMPT = "It was a fine morning in the country, and Mr. Darcy had gone out early to walk along the river with his"
+
+
+def cell(model, ids, **kw) -> dict:
+    t0 = time.perf_counter()
+    res = run_compare(model, ids, RunSettings(engine="llama.cpp", reference="float64", n_gen=4, **kw))
+    j = to_json(res)
+    lc = j["config"].get("llama_cpp", {})
+    paths = collections.Counter((n["backend"], n["path"]) for n in lc.get("nodes", []) if n["op"] == "MUL_MAT")
+    fd = j["first_divergence"]
+    oe = lc.get("observer_effect", {})
+    return {**{k: v for k, v in kw.items() if k != "llama_lib"}, "seconds": round(time.perf_counter() - t0, 2),
+            "verdict": j["verdict"] if isinstance(j["verdict"], str) else j["verdict"].get("text", str(j["verdict"])),
+            "first_divergence": None if fd is None else {k: fd.get(k) for k in ("seq", "token", "layer", "site")},
+            "precision": j.get("precision"),
+            "logits_rel_l2_max": _max_logit_err(res), "kld_max": j["logits"]["kld_max"],
+            "top1": j["logits"]["top1_agreement"],
+            "matmul_paths": {f"{b}:{p}": c for (b, p), c in paths.items()},
+            "local_first_over": (lc.get("local") or {}).get("first_over"),
+            "observer_bitwise": oe.get("logits_bitwise_identical"), "traced_s": oe.get("traced_s"),
+            "untraced_s": oe.get("untraced_s")}
+
+
+def _max_logit_err(res) -> float:
+    e = res.errors.get((None, "logits"))
+    return None if e is None else float(e["rel_l2"].nan_to_num(0).max())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("smoke", "grid"))
+    ap.add_argument("--out", default="out/llamacpp_h200")
+    ap.add_argument("--lib", default=str(ROOT / "build/llama-cuda/bin"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = md.load_model(None)
+    gguf = md.export_gguf(model, out / "tiny-f32.gguf", dtype="f32")
+    model = md.load_model(gguf)
+    ids = model.encode(PROMPT)
+    n = model.config.n_layer
+    rows = []
+    if a.mode == "smoke":
+        grid = [dict(device="cuda", offload=n + 1, ubatch=ub, n_seqs=1, local=True) for ub in (1, 8, 512)]
+        grid += [dict(device="cpu", ubatch=512, n_seqs=1, local=True)]
+    else:
+        grid = [dict(device="cuda", offload=ngl, ubatch=ub, n_seqs=S, local=True)
+                for ngl in (0, n // 2, n + 1) for ub in (1, 4, 17, 512) for S in (1, 2, 3)]
+    for kw in grid:
+        try:
+            row = cell(model, ids, llama_lib=a.lib, **kw)
+        except Exception as exc:  # noqa: BLE001 (a benchmark row records what failed and goes on)
+            row = {**kw, "error": f"{type(exc).__name__}: {exc}"[:600]}
+        row.pop("llama_lib", None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    (out / f"{a.mode}.json").write_text(json.dumps(rows, indent=1))
+    print("\ndevice ngl  ub  S  verdict / first divergence                          logit err   paths")
+    for r in rows:
+        fd = r.get("first_divergence")
+        what = r.get("error") or (f"{fd['layer']}.{fd['site']} tok {fd['token']} seq {fd['seq']}" if fd else "clean")
+        print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  {what[:50]:50} "
+              f"{r.get('logits_rel_l2_max') or 0:9.2e}   {r.get('matmul_paths')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The precision-aware verdict of a llama.cpp run (issue #14 item 6).
+
+On CUDA, f32 matmuls of 4 or more columns run in TF32 (the mmf tile kernel, cuBLAS on its TF32 handle): a clean run
+then drifts past k x the float32 floor from the first such matmul on, and every later site inherits it. Propagated
+error cannot tell that from a fault, so when a run used a reduced-precision path the verdict reads each node's
+*local* error (its op recomputed in float64 from the inputs it really read, local.py):
+- some node past its own path's limit (FP32 nodes: k x the FP32 floor, as on the CPU; TF32 nodes: TF32_LIMIT) ->
+  the first divergence is that node;
+- none -> `first_divergence` None (exit 0) and a `precision` list: the reduced-precision nodes whose error the FP32
+  threshold would not excuse, with their path, error and floor, and the switch that removes each where one exists.
+A run with no reduced-precision node keeps the propagated verdict unchanged (every CPU build).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+SWITCHES = {"cuBLAS": "NVIDIA_TF32_OVERRIDE=0 (or --fp32-everywhere) makes cuBLAS FP32",
+            "mmf": "no switch: the mmf tile kernel's TF32 MMA is inline PTX; -ub / sequences <= 3 tokens each "
+                   "avoid it (the FP32 vector kernel runs instead)"}
+
+
+def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
+    """(first_divergence, precision) for a finished llama.cpp run; local: its LocalErrors."""
+    fd = res.first_divergence
+    excused, fault = local.excused, local.fault
+    if not local.reduced:
+        return fd, None
+    if fault is not None:
+        return _at_node(res, fault), None
+    if fd is None or not excused:
+        return fd, None
+    items = sorted(excused.values(), key=lambda r: (r["first_seq"], r["ubatch"], r["index"]))
+    paths = sorted({("mmf" if "mmf" in r["path"] else "cuBLAS") for r in items})
+    first = items[0]
+    where = "the output head" if first["layer"] is None else f"layer {first['layer']}"
+    return None, {
+        "text": f"precision: TF32 in {'/'.join(paths)} from {where} ({first['site']}); {len(items)} reduced-"
+                f"precision node(s), each within its path's floor; no node past its own limit",
+        "drift_from": fd, "switches": [SWITCHES[p] for p in paths],
+        "items": [{"layer": r["layer"], "site": r["site"], "node": r["name"], "op": r["op"], "path": r["path"],
+                   "error": r["error"], "floor": r["floor"], "limit": r["limit"], "ubatch": r["ubatch"]}
+                  for r in items]}
+
+
+def _at_node(res, f: dict) -> dict:
+    """The first divergence at a node found by its local error: the first token of its ubatch (in the node's group of
+    sequences), the first sequence there whose propagated error passes its threshold (else the group's first)."""
+    toks = [t for t, info in enumerate(res.token_info) if info.ubatch == f["ubatch"]]
+    t = toks[0] if toks else 0
+    key = (f["layer"], f["site"])
+    seq = f["first_seq"]
+    if key in res.errors and key in res.thresholds:
+        over = res.errors[key]["rel_l2"][:, toks] > res.thresholds[key]
+        rows = [s for s in range(f["first_seq"], over.shape[0]) if bool(over[s].any())]
+        seq = rows[0] if rows else seq
+    info = res.token_info[t]
+    return {"token": t, "seq": seq, "layer": f["layer"], "site": f["site"], "ubatch": info.ubatch,
+            "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
+            "error": f["error"], "threshold": f["threshold"], "nan": f["error"] != f["error"],
+            "on_device": True, "by": f"local error of node {f['name']} ({f['op']}, {f['path']})"}
