@@ -22,12 +22,14 @@ from mamba_debug.compare import run_compare  # noqa: E402
 from mamba_debug.settings import RunSettings  # noqa: E402
 from mamba_debug.views.summary import to_json  # noqa: E402
 
+N_GEN = 4
 PROMPT = "It was a fine morning in the country, and Mr. Darcy had gone out early to walk along the river with his"
 
 
 def cell(model, ids, **kw) -> dict:
     t0 = time.perf_counter()
-    res = run_compare(model, ids, RunSettings(engine="llama.cpp", reference="float64", n_gen=4, **kw))
+    res = run_compare(model, ids, RunSettings(engine="llama.cpp", reference="float64", n_gen=N_GEN, capture="metrics",
+                                              **kw))
     j = to_json(res)
     lc = j["config"].get("llama_cpp", {})
     paths = collections.Counter((n["backend"], n["path"]) for n in lc.get("nodes", []) if n["op"] == "MUL_MAT")
@@ -45,6 +47,27 @@ def cell(model, ids, **kw) -> dict:
             "untraced_s": oe.get("untraced_s")}
 
 
+def _tiny(out: Path):
+    gguf = md.export_gguf(md.load_model(None), out / "tiny-f32.gguf", dtype="f32")
+    model = md.load_model(gguf)
+    return model, model.encode(PROMPT)
+
+
+def _big(out: Path):
+    """A random Mamba-1 shaped like mamba-2.8b (64 layers, d_model 2560), written as an f32 GGUF (11 GB)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_e2e import BIG, mamba_ssm_params  # noqa: PLC0415
+    from mamba_debug.config import MambaConfig  # noqa: PLC0415
+    cfg = MambaConfig(**BIG)
+    t0 = time.perf_counter()
+    model = md.build_model(cfg, mamba_ssm_params(cfg, 0, "cuda"), source="random 2.8B-shaped")
+    gguf = md.export_gguf(model, Path("/tmp/mamba-2.8b-random-f32.gguf"), dtype="f32")
+    del model
+    model = md.load_model(gguf)
+    print(f"2.8B-shaped GGUF written and loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    return model, [(7 * i + 3) % cfg.vocab_size for i in range(40)]
+
+
 def _max_logit_err(res) -> float:
     e = res.errors.get((None, "logits"))
     return None if e is None else float(e["rel_l2"].nan_to_num(0).max())
@@ -52,24 +75,25 @@ def _max_logit_err(res) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("smoke", "grid"))
+    ap.add_argument("mode", choices=("smoke", "grid", "big"))
     ap.add_argument("--out", default="out/llamacpp_h200")
     ap.add_argument("--lib", default=str(ROOT / "build/llama-cuda/bin"))
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = md.load_model(None)
-    gguf = md.export_gguf(model, out / "tiny-f32.gguf", dtype="f32")
-    model = md.load_model(gguf)
-    ids = model.encode(PROMPT)
+    model, ids = (_big(out) if a.mode == "big" else _tiny(out))
     n = model.config.n_layer
     rows = []
     if a.mode == "smoke":
         grid = [dict(device="cuda", offload=n + 1, ubatch=ub, n_seqs=1, local=True) for ub in (1, 8, 512)]
         grid += [dict(device="cpu", ubatch=512, n_seqs=1, local=True)]
-    else:
+    elif a.mode == "grid":
         grid = [dict(device="cuda", offload=ngl, ubatch=ub, n_seqs=S, local=True)
                 for ngl in (0, n // 2, n + 1) for ub in (1, 4, 17, 512) for S in (1, 2, 3)]
+        grid += [dict(device="cpu", ubatch=ub, n_seqs=S, local=True) for ub in (1, 17, 512) for S in (1, 3)]
+    else:
+        grid = [dict(device="cuda", offload=ngl, ubatch=512, n_seqs=1, local=True, ref_device="cuda")
+                for ngl in (n + 1, 0)]
     for kw in grid:
         try:
             row = cell(model, ids, llama_lib=a.lib, **kw)

@@ -6,13 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=build/llama-cuda
 if [[ -f $OUT_DIR/bin/libllama.so ]]; then echo "llama.cpp CUDA build already in $OUT_DIR/bin"; exit 0; fi
-rm -rf $OUT_DIR && mkdir -p $OUT_DIR/src
-tar xzf build/llama-src.tar.gz -C $OUT_DIR/src
+# built outside this checkout: llama.cpp's CMake reads its commit from the enclosing git repository, which here
+# would be mamba-debug's (the source archive has none: the library must say "unknown")
+WORK=${TMPDIR:-/tmp}/mamba-debug-llama-cuda
+rm -rf $OUT_DIR $WORK && mkdir -p $OUT_DIR $WORK/src
+tar xzf build/llama-src.tar.gz -C $WORK/src
 t0=$(date +%s)
-cmake -S $OUT_DIR/src -B $OUT_DIR/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+cmake -S $WORK/src -B $WORK/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
   -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=ON \
   -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > $OUT_DIR/cmake.log 2>&1 || { tail -30 $OUT_DIR/cmake.log; exit 1; }
-cmake --build $OUT_DIR/b -j "$(nproc)" > $OUT_DIR/build.log 2>&1 || { tail -40 $OUT_DIR/build.log; exit 1; }
-mkdir -p $OUT_DIR/bin && cp -P $OUT_DIR/b/bin/*.so* $OUT_DIR/bin/
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > $WORK/cmake.log 2>&1 || { tail -30 $WORK/cmake.log; exit 1; }
+cmake --build $WORK/b -j "$(nproc)" > $WORK/build.log 2>&1 || { tail -40 $WORK/build.log; exit 1; }
+mkdir -p $OUT_DIR/bin && cp -P $WORK/b/bin/*.so* $OUT_DIR/bin/
 echo "built llama.cpp with CUDA in $(( $(date +%s) - t0 )) s:"; ls -la $OUT_DIR/bin

@@ -125,7 +125,8 @@ class LocalErrors:
         self.reduced |= not path.startswith("fp32")
         if node.op not in OPS or any(a is None for a in srcs):
             return
-        want = recompute(node.op, [a.astype(np.float64) for a in srcs], got.shape, node.extra.get("op_params", ()))
+        want = recompute(node.op, [a.astype(np.float64, copy=False) for a in srcs], got.shape,
+                         node.extra.get("op_params", ()))
         if want is None or want.shape != got.shape:
             return
         err = rel_l2(got.astype(np.float64), want)

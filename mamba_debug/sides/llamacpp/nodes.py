@@ -124,6 +124,9 @@ class GraphMap:
         name = self.names.get(addr)
         if name is None:
             name = GgmlTensor.from_address(addr).name.decode(errors="replace")
+            parts = name.split("#")
+            if len(parts) == 3:         # the scheduler's copy for another backend: "CUDA0#blk.0.ssm_in.weight#0"
+                name = parts[1]         # (op offload copies CPU-resident weights): map by what it copies
             self.names[addr] = name
         return name
 

@@ -91,13 +91,17 @@ class LlamaCppSide:
                              extra={"library": str(self.lib.path), "version": self.lib.version,
                                     "commit": self.lib.commit, "devices": [list(d) for d in self.lib.devices],
                                     "gguf": str(self.gguf),
-                                    "op_offload": self.s.op_offload and not self.s.fp32_everywhere,
+                                    "op_offload": self._op_offload(),
                                     "n_gpu_layers": mp.n_gpu_layers, "n_threads": self._threads(),
                                     "fp32_everywhere": self.fp32, "nodes": []})
 
     def _label(self) -> str:
         return (f"llama.cpp {self.s.device.upper()} build {self.lib.path} ({self.lib.version}), "
                 f"-ngl {0 if self.s.device == 'cpu' else self.s.offload}, -ub {self.s.ubatch}")
+
+    def _op_offload(self) -> bool:
+        """--device cpu means CPU: on a CUDA build, op offload would send big-batch ops to the GPU even at -ngl 0."""
+        return self.s.op_offload and not self.s.fp32_everywhere and self.s.device != "cpu"
 
     def _threads(self) -> int:
         return int(os.environ.get("MAMBA_DEBUG_LLAMA_THREADS") or max(1, min(8, (os.cpu_count() or 2) // 2)))
@@ -112,7 +116,7 @@ class LlamaCppSide:
         cp.n_ubatch = self.s.ubatch
         cp.n_seq_max = n_seqs
         cp.n_threads = cp.n_threads_batch = self._threads()
-        cp.op_offload = self.s.op_offload and not self.s.fp32_everywhere
+        cp.op_offload = self._op_offload()
         cp.no_perf = True
         self._cb = EvalCallback(self._eval)
         _KEEP.append(self._cb)
@@ -315,7 +319,7 @@ class LlamaCppSide:
                 return g["all"][orig.addr].reshape(leaf.ne[::-1])
         data = read_data(self.lib, leaf)
         if leaf.name.startswith(("blk.", "token_embd", "output")):
-            self._weights[addr] = data
+            data = self._weights[addr] = data.astype(np.float64)    # converted once: read by every ubatch
         return data
 
     def _check_schedule(self, g: dict, tokens: torch.Tensor):
