@@ -33,6 +33,19 @@ def _int_at_least(name, low):
     return parse
 
 
+def _n_gen(text: str) -> int:
+    """--n-gen: an integer in 0..settings_checks.N_GEN_MAX, refused before the model loads."""
+    from .settings_checks import n_gen_problem  # noqa: PLC0415
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--n-gen must be an integer, got {text!r}") from None
+    problem = n_gen_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def _int_list(text: str) -> list:
     try:
         if ".." in text:
@@ -53,7 +66,7 @@ def _str_list(text: str) -> list:
 
 def _parser_for(kind: str, flag: str):
     return {"nonneg": _int_at_least(flag, 0), "positive": _int_at_least(flag, 1), "float": float, "int": int,
-            "int_list": _int_list, "str_list": _str_list}[kind]
+            "n_gen": _n_gen, "int_list": _int_list, "str_list": _str_list}[kind]
 
 
 # -- flags from RunSettings ------------------------------------------------------------------------
@@ -325,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="greedy generation with the float64 reference")
     add_model_flags(p)
-    p.add_argument("--n-gen", type=_int_at_least("--n-gen", 0), default=40)
+    p.add_argument("--n-gen", type=_n_gen, default=40, help="tokens to generate (default 40)")
     p.add_argument("--ubatch", type=_int_at_least("--ubatch", 1), default=RunSettings.ubatch)
     p.set_defaults(func=cmd_generate)
 

@@ -178,6 +178,21 @@ def test_empty_reversed_or_nan_arguments_are_exit_2(folder, capsys, argv):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("command", ["generate", "compare"])
+def test_n_gen_over_the_cap_is_refused_naming_the_flag_and_the_limit(folder, capsys, monkeypatch, command):
+    import mamba_debug.io
+    from mamba_debug.settings_checks import N_GEN_MAX
+    monkeypatch.setattr(mamba_debug.io, "load_model", lambda *a: pytest.fail("loaded the model before refusing"))
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--model", str(folder), "--n-gen", str(10 ** 9)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--n-gen" in err and str(N_GEN_MAX) in err and "Traceback" not in err
+    with pytest.raises(MambaDebugError, match=f"n_gen.*{N_GEN_MAX}"):
+        RunSettings(n_gen=N_GEN_MAX + 1).validated(random_model().config)
+    with pytest.raises(MambaDebugError, match=f"n_gen.*{N_GEN_MAX}"):
+        random_model().generate(torch.tensor([[1, 2]]), N_GEN_MAX + 1)
+
+
 def test_offload_beyond_the_layers_means_everything(folder):
     m = load_model(folder)
     s = RunSettings(offload=99).validated(m.config)

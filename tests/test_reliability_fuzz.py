@@ -17,6 +17,7 @@ from mamba_debug.io import load_model
 from mamba_debug.io.gguf import export_gguf
 from mamba_debug.io.hf import save_hf
 from mamba_debug.settings import RunSettings
+from mamba_debug.settings_checks import N_GEN_MAX
 from mamba_debug.trace import load_trace
 
 FUZZ = settings(max_examples=25, deadline=5000, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -135,6 +136,7 @@ def test_settings_are_refused_clearly_or_valid(kw):
     assert isinstance(s.ubatch, int) and s.ubatch >= 1 and isinstance(s.n_seqs, int) and s.n_seqs >= 1
     assert math.isfinite(s.k_floor) and s.k_floor > 1 and isinstance(s.offload, int) and s.offload >= 0
     assert math.isfinite(s.memory_budget_mb) and s.memory_budget_mb > 0
+    assert isinstance(s.n_gen, int) and 0 <= s.n_gen <= N_GEN_MAX
 
 
 # -- numerics: an independent float64 Mamba-1 in numpy -----------------------------------------------------------
