@@ -35,7 +35,6 @@ from ..errors import CheckpointError, MambaDebugError
 from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel
 from .gguf_header import check_gguf_header
-from .gguf_header import check_gguf_header
 from .gguf_vocab import add_vocab, read_tokenizer, tokenizer_vocab
 from .weights import check_params
 
@@ -88,7 +87,6 @@ def load_gguf(path) -> MambaModel:
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: starts with {magic!r}, not b'GGUF'; the file is damaged or not a GGUF "
                               f"file (re-download or re-export it)")
-    check_gguf_header(path)                  # counts and lengths against the file size, before the library
     check_gguf_header(path)                  # counts and lengths against the file size, before the library
     try:
         reader = gguf.GGUFReader(str(path), "r")

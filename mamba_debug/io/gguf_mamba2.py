@@ -29,6 +29,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, MambaDebugError
 from ..model import MambaModel
 from . import gguf as gguf1
+from .gguf_header import check_gguf_header
 from .gguf_vocab import add_vocab, read_tokenizer, tokenizer_vocab
 from .weights import check_params
 
@@ -152,6 +153,9 @@ def load_gguf(path) -> MambaModel:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        if fh.read(4) == b"GGUF":           # (else io.gguf says what the file starts with)
+            check_gguf_header(path)         # before the library allocates what a damaged header declares
     try:
         reader = gguf.GGUFReader(str(path), "r")
         arch = reader.get_field("general.architecture")
