@@ -33,6 +33,19 @@ def _int_at_least(name, low):
     return parse
 
 
+def _n_gen(text: str) -> int:
+    """--n-gen: an integer in 0..settings_checks.N_GEN_MAX, refused before the model loads."""
+    from .settings_checks import n_gen_problem  # noqa: PLC0415
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--n-gen must be an integer, got {text!r}") from None
+    problem = n_gen_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def _int_list(text: str) -> list:
     try:
         if ".." in text:
@@ -53,7 +66,7 @@ def _str_list(text: str) -> list:
 
 def _parser_for(kind: str, flag: str):
     return {"nonneg": _int_at_least(flag, 0), "positive": _int_at_least(flag, 1), "float": float, "int": int,
-            "int_list": _int_list, "str_list": _str_list}[kind]
+            "n_gen": _n_gen, "int_list": _int_list, "str_list": _str_list}[kind]
 
 
 # -- flags from RunSettings ------------------------------------------------------------------------
@@ -165,23 +178,32 @@ def cmd_compare(args) -> int:
     return 1 if res.first_divergence else 0
 
 
+def _keep_partial(args, command: str, stop) -> int:
+    """An interrupted sweep or bisect: its finished work goes to `<--json stem>.incomplete.json` (atomically; the
+    --json file itself keeps its old content, so a partial result is never taken for a whole one); exit 130."""
+    path = _incomplete_path(args.json or f"{command}.json")
+    _write_json(path, stop.partial)
+    print(f"mamba-debug: interrupted: {stop.done}, written to {path} (marked incomplete, with what was not run); "
+          f"{args.json or 'no --json output'} left as it was", file=sys.stderr)
+    return 130
+
+
+def _incomplete_path(json_path) -> Path:
+    path = Path(json_path)
+    return path.with_name(path.stem + ".incomplete.json")
+
+
 def cmd_sweep(args) -> int:
-    from .sweep import SweepInterrupted, auto_workers, run_sweep  # noqa: PLC0415
-    guard_outputs(args, **{"--json": args.json})
+    from .sweep import Interrupted, auto_workers, run_sweep  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json, "--json (interrupted)": args.json and _incomplete_path(args.json)})
     model, ids = model_and_prompt(args)
     offloads = _int_list(args.offloads) if args.offloads else None
     workers = auto_workers(model, args.device) if args.workers is None else args.workers
     try:
         sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches),
                        _int_list(args.n_seqs_list), workers=workers)
-    except SweepInterrupted as stop:           # keep the finished cells, in a file of their own
-        path = Path(args.json or "sweep.json")
-        path = path.with_name(path.stem + ".incomplete.json")
-        _write_json(path, stop.partial)
-        print(f"mamba-debug: interrupted: {stop.partial['cells_done']} of {stop.partial['cells_total']} cells "
-              f"finished, written to {path} (marked incomplete); {args.json or 'no --json output'} left as it was",
-              file=sys.stderr)
-        return 130
+    except Interrupted as stop:                # keep the finished cells, in a file of their own
+        return _keep_partial(args, "sweep", stop)
     ubs = sw["ubatches"]
     for s in sw["n_seqs"]:
         print(f"first divergence (token/layer) with {s} sequence(s); rows offload, columns ubatch")
@@ -204,10 +226,14 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_bisect(args) -> int:
-    from .sweep import bisect_layer  # noqa: PLC0415
-    guard_outputs(args, **{"--json": args.json})
+    from .sweep import Interrupted, bisect_layer  # noqa: PLC0415
+    guard_outputs(args, **{"--json": args.json, "--json (interrupted)": args.json and _incomplete_path(args.json)})
     model, ids = model_and_prompt(args)
-    out = bisect_layer(model, ids, settings_from(args))
+    try:
+        out = bisect_layer(model, ids, settings_from(args))
+    except Interrupted as stop:                # keep the finished runs and the bracket they give
+        print(stop.partial["message"])
+        return _keep_partial(args, "bisect", stop)
     for r in out["runs"]:
         fd = r["first_divergence"]
         print(f"offload {r['offload']:3d}: " + ("clean" if fd is None else
@@ -312,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="greedy generation with the float64 reference")
     add_model_flags(p)
-    p.add_argument("--n-gen", type=_int_at_least("--n-gen", 0), default=40)
+    p.add_argument("--n-gen", type=_n_gen, default=40, help="tokens to generate (default 40)")
     p.add_argument("--ubatch", type=_int_at_least("--ubatch", 1), default=RunSettings.ubatch)
     p.set_defaults(func=cmd_generate)
 

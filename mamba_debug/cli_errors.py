@@ -25,6 +25,10 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _signal_name(exc: KeyboardInterrupt) -> str:
+    return "SIGTERM" if exc.args and str(exc.args[0]) == f"signal {int(signal.SIGTERM)}" else "Ctrl-C"
+
+
 def _say(message: str, debug: bool):
     if debug:
         traceback.print_exc()
@@ -41,10 +45,11 @@ def run_guarded(func, args, debug: bool = False) -> int:
         return func(args)
     except MambaDebugError as exc:
         _say(str(exc), debug)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if debug:
             traceback.print_exc()
-        print("mamba-debug: interrupted", file=sys.stderr)
+        print(f"mamba-debug: interrupted ({_signal_name(exc)}); no output is half-written: each one is written "
+              f"whole or left as it was", file=sys.stderr)
         return 130
     except SystemExit as exc:
         _say(f"something called sys.exit({exc.code!r}) in the middle of the run; the run did not finish "

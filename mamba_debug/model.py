@@ -22,6 +22,7 @@ from .config import ModelConfig
 from .errors import MambaDebugError
 from .ops import OpTable
 from .placement import Placement
+from .settings_checks import check_n_gen
 
 
 class Model:
@@ -75,6 +76,7 @@ class Model:
 
     def generate(self, tokens: torch.Tensor, n_gen: int, *, ubatch: int = 512, runner: "Runner | None" = None):
         """Greedy continuation: returns the new token ids [S, n_gen]."""
+        check_n_gen(n_gen, "n_gen")
         tokens = check_tokens(tokens, self.config.vocab_size)
         runner = runner or Runner(self, reference_backend())
         out = []

@@ -46,7 +46,7 @@ class RunSettings:
         parse="nonneg"))
     ubatch: int = field(default=DEFAULT_UBATCH, metadata=_flag(f"like -ub (default {DEFAULT_UBATCH})", parse="positive"))
     n_seqs: int = field(default=1, metadata=_flag("sequences processed together", parse="positive"))
-    n_gen: int = field(default=16, metadata=_flag("tokens generated after the prompt", parse="nonneg"))
+    n_gen: int = field(default=16, metadata=_flag("tokens generated after the prompt", parse="n_gen"))
     kernels: str = field(default="triton", metadata=_flag(
         "plug-in name in kernels/ or a .py path (torch: plain ops)"))
     device: Optional[str] = field(default=None, metadata=_flag(
@@ -104,8 +104,6 @@ class RunSettings:
             raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {self.ubatch!r}")
         if not isinstance(self.n_seqs, int) or self.n_seqs < 1:
             raise MambaDebugError(f"n_seqs must be an integer >= 1, got {self.n_seqs!r}")
-        if not isinstance(self.n_gen, int) or self.n_gen < 0:
-            raise MambaDebugError(f"n_gen must be an integer >= 0, got {self.n_gen!r}")
         resolve_ref_device(self.ref_device)
         if self.reference not in REFERENCES + ("fp64",):
             raise MambaDebugError(f"unknown reference precision {self.reference!r}: use float32 or float64")

@@ -66,30 +66,38 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
                 bar.set_postfix_str(f"S={settings.n_seqs} ub={settings.ubatch} ngl={settings.offload}")
                 cells.append(sweep_cell(run_compare(model, prompt_ids, settings, ref_cache=cache)))
                 bar.update()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:               # stop now: the cell being run is dropped, the finished ones kept
         bar.close()
-        raise SweepInterrupted(_grid_cells(grid, runs, cells, L, base, partial=True) | {
+        part = _grid_cells(grid, runs, cells, L, base, partial=True) | {
             "offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
-            "incomplete": True, "seconds": time.perf_counter() - t0, "workers": workers}) from None
+            "incomplete": True, "seconds": time.perf_counter() - t0, "workers": workers}
+        raise Interrupted(part, f"{part['cells_done']} of {part['cells_total']} cells finished") from None
     bar.close()
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
             "cells": _grid_cells(grid, runs, cells, L, base)["cells"], "seconds": time.perf_counter() - t0,
             "workers": workers}
 
 
-class SweepInterrupted(KeyboardInterrupt):
-    """Ctrl-C / SIGTERM during a sweep; `partial` holds the finished cells (marked incomplete)."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C / SIGTERM during a sweep or a bisection; `partial` holds the finished work (`"incomplete": true`,
+    what was done and what was not run)."""
 
-    def __init__(self, partial: dict):
-        super().__init__("sweep interrupted")
-        self.partial = partial
+    def __init__(self, partial: dict, done: str):
+        super().__init__("interrupted")
+        self.partial, self.done = partial, done
+
+
+SweepInterrupted = Interrupted      # the name before bisect kept its runs too
 
 
 def _grid_cells(grid, runs, cells, L, base, partial=False) -> dict:
     done = {(c["n_seqs"], c["ubatch"], c["offload"]): c for c in cells}
     out = [done[(s, u, o)] if runs[o] == o else _same_as(done[(s, u, runs[o])], o, L, base)
            for s, u, o in grid if not partial or (s, u, runs[o]) in done]
-    return {"cells": out, "cells_done": len(out), "cells_total": len(grid)} if partial else {"cells": out}
+    if not partial:
+        return {"cells": out}
+    not_run = [{"n_seqs": s, "ubatch": u, "offload": o} for s, u, o in grid if (s, u, runs[o]) not in done]
+    return {"cells": out, "cells_done": len(out), "cells_total": len(grid), "not_run": not_run}
 
 
 def _cost(s: RunSettings, n_layer: int, n_prompt: int) -> int:
@@ -201,17 +209,19 @@ def bisect_layer(model: Model, prompt_ids, base: RunSettings) -> dict:
         runs.append({"offload": n, "first_divergence": res.first_divergence})
         return res.first_divergence is not None
 
-    hi = L + 1                    # every block and the head on the device, under either rule
-    if not diverges(hi):
-        return {"bad_layer": None, "offload": None, "runs": runs,
-                "message": f"no divergence even with everything offloaded (offload {hi})"}
-    lo = 0                        # offload 0 runs nothing on the device: clean by construction
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if diverges(mid):
-            hi = mid
-        else:
-            lo = mid
+    lo, hi = 0, L + 1             # offload 0 runs nothing on the device: clean by construction; L + 1 everything
+    try:
+        if not diverges(hi):
+            return {"bad_layer": None, "offload": None, "runs": runs,
+                    "message": f"no divergence even with everything offloaded (offload {hi})"}
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if diverges(mid):
+                hi = mid
+            else:
+                lo = mid
+    except KeyboardInterrupt:     # stop now: the run in progress is dropped, the finished ones kept
+        raise Interrupted(_bisect_partial(runs, lo, hi), f"{len(runs)} run(s) finished") from None
     p = base.replace(offload=hi).placement(L)
     newest = p.first_device_layer if p.n_device_layers > base.replace(offload=hi - 1).placement(L).n_device_layers else None
     bad = "head" if newest is None else newest    # what offload hi adds over hi - 1: a block, or the head
@@ -219,3 +229,15 @@ def bisect_layer(model: Model, prompt_ids, base: RunSettings) -> dict:
             "message": f"offload {hi - 1} is clean, offload {hi} diverges: the first bad "
                        f"{'part is the output head' if bad == 'head' else 'layer is %d' % bad} "
                        f"({len(runs)} runs for {L} layers)"}
+
+
+def _bisect_partial(runs: list, lo: int, hi: int) -> dict:
+    """What an interrupted bisection knows: offload `lo` is clean, `hi` diverges once a run has shown it, and the
+    offloads between them (`not_run`) are undecided."""
+    known = any(r["offload"] == hi and r["first_divergence"] is not None for r in runs)
+    undecided = list(range(lo + 1, hi)) if known else list(range(lo + 1, hi + 1))
+    message = (f"interrupted: offload {lo} is clean, offload {hi} diverges; the first diverging offload is one of "
+               f"{lo + 1}..{hi}" if known else "interrupted before the run with everything offloaded finished")
+    return {"incomplete": True, "bad_layer": None, "offload": None, "runs": runs, "runs_done": len(runs),
+            "clean_offload": lo, "diverging_offload": hi if known else None, "not_run": undecided,
+            "message": message}

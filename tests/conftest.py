@@ -54,3 +54,30 @@ def random_model(seed: int = 0, **kw) -> MambaModel:
 @pytest.fixture
 def small_model():
     return random_model()
+
+
+RSS_BUDGET_MB = 100
+
+
+def _peak_rss_kib(reset: bool = False) -> int:
+    """The process's peak resident set (VmHWM), reset to the current one first when asked (Linux clear_refs 5);
+    elsewhere the never-reset ru_maxrss."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        import resource  # noqa: PLC0415
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+@pytest.fixture
+def bounded_rss():
+    """Property tests stay small: the peak resident memory may grow by at most RSS_BUDGET_MB during the test, so a
+    strategy that builds a huge config, array or file fails here instead of swapping a 2-core CI machine."""
+    before = _peak_rss_kib(reset=True)
+    yield
+    grown = (_peak_rss_kib() - before) / 1024
+    assert grown <= RSS_BUDGET_MB, f"peak memory grew by {grown:.0f} MB during the test (budget {RSS_BUDGET_MB} MB)"

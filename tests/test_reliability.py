@@ -178,6 +178,21 @@ def test_empty_reversed_or_nan_arguments_are_exit_2(folder, capsys, argv):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("command", ["generate", "compare"])
+def test_n_gen_over_the_cap_is_refused_naming_the_flag_and_the_limit(folder, capsys, monkeypatch, command):
+    import mamba_debug.io
+    from mamba_debug.settings_checks import N_GEN_MAX
+    monkeypatch.setattr(mamba_debug.io, "load_model", lambda *a: pytest.fail("loaded the model before refusing"))
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--model", str(folder), "--n-gen", str(10 ** 9)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--n-gen" in err and str(N_GEN_MAX) in err and "Traceback" not in err
+    with pytest.raises(MambaDebugError, match=f"n_gen.*{N_GEN_MAX}"):
+        RunSettings(n_gen=N_GEN_MAX + 1).validated(random_model().config)
+    with pytest.raises(MambaDebugError, match=f"n_gen.*{N_GEN_MAX}"):
+        random_model().generate(torch.tensor([[1, 2]]), N_GEN_MAX + 1)
+
+
 def test_offload_beyond_the_layers_means_everything(folder):
     m = load_model(folder)
     s = RunSettings(offload=99).validated(m.config)
@@ -238,6 +253,60 @@ def test_interrupted_sweep_keeps_finished_cells_apart_and_exits_130(tmp_path, fo
     partial = json.loads((tmp_path / "sw.incomplete.json").read_text())
     assert rc == 130 and out.read_text() == "previous" and "sw.incomplete.json" in err
     assert partial["incomplete"] and partial["cells_done"] >= 2 and partial["cells_done"] < partial["cells_total"]
+    assert partial["cells_done"] + len(partial["not_run"]) == partial["cells_total"]
+    assert sum(line.startswith("mamba-debug:") for line in err.splitlines()) == 1      # beside the progress bar
+
+
+def test_interrupted_bisect_keeps_its_runs_and_the_bracket_and_exits_130(tmp_path, folder, capsys, monkeypatch):
+    import mamba_debug.sweep as sweep
+    real, calls = sweep.run_compare, []
+
+    def stop_on_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(sweep, "run_compare", stop_on_second)
+    wrong = _plugin(tmp_path, "OPS = {'silu': lambda x: F.silu(x) * 1.01}\n")      # diverges wherever it runs
+    out = tmp_path / "b.json"
+    out.write_text("previous")
+    rc, so, err = _run(capsys, "bisect", "--model", folder, "--kernels", wrong, "--json", out, *FAST)
+    partial = json.loads((tmp_path / "b.incomplete.json").read_text())
+    assert rc == 130 and out.read_text() == "previous" and "b.incomplete.json" in err and "1 run(s)" in err
+    assert partial["incomplete"] and partial["runs_done"] == 1 and partial["runs"][0]["offload"] == 3
+    assert (partial["clean_offload"], partial["diverging_offload"], partial["not_run"]) == (0, 3, [1, 2])
+    assert "one of 1..3" in so
+
+
+def test_sigterm_in_compare_exits_130_and_leaves_the_outputs_as_they_were(tmp_path, folder, capsys):
+    plug = _plugin(tmp_path, "import os, signal\n"
+                             "def silu(x):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return F.silu(x)\n"
+                             "OPS = {'silu': silu}\n")
+    outs = {flag: tmp_path / f"out{flag[2:]}" for flag in ("--json", "--trace", "--report")}
+    for p in outs.values():
+        p.write_text("previous")
+    before = sorted(os.listdir(tmp_path))
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--kernels", plug,
+                      *[x for flag, p in outs.items() for x in (flag, p)], *FAST)
+    assert rc == 130 and "interrupted (SIGTERM)" in err and err.count("\n") == 1, err
+    assert all(p.read_text() == "previous" for p in outs.values()) and sorted(os.listdir(tmp_path)) == before
+
+
+def test_interrupt_while_writing_the_trace_keeps_the_old_trace_and_no_temporary(tmp_path, folder, capsys,
+                                                                                monkeypatch):
+    import safetensors.torch
+
+    def half_then_interrupt(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half a trace")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_interrupt)
+    js, trace = tmp_path / "r.json", tmp_path / "t.safetensors"
+    js.write_text("previous")
+    trace.write_text("previous")
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--json", js, "--trace", trace, *FAST)
+    assert rc == 130 and "interrupted (Ctrl-C)" in err
+    assert json.loads(js.read_text())["config"] and trace.read_text() == "previous"   # the json was finished first
+    assert sorted(os.listdir(tmp_path)) == ["m", "r.json", "t.safetensors"]
 
 
 def test_sigterm_stops_a_parallel_sweep_within_seconds(tmp_path, folder):

@@ -1,10 +1,16 @@
 """Issue 17, kept so by property-based tests: loaders on random and mutated bytes (a clear error or a correct load,
-within a time bound), settings on random values, and the numerics against an independent float64 implementation."""
+within a time bound), settings on random values, and the numerics against an independent float64 implementation.
+
+Bounded for a 2-core CI machine: few examples with a deadline each (FUZZ), every strategy of bounded size (files of
+at most a few hundred bytes changed, JSON values of at most 6 leaves, text of at most 5 characters from a fixed
+alphabet, so hypothesis never builds its ~200 MB Unicode table), and each test's peak memory growth asserted
+(`bounded_rss`, conftest.py)."""
 from __future__ import annotations
 
 import json
 import math
 import shutil
+import string
 
 import numpy as np
 import pytest
@@ -17,9 +23,17 @@ from mamba_debug.io import load_model
 from mamba_debug.io.gguf import export_gguf
 from mamba_debug.io.hf import save_hf
 from mamba_debug.settings import RunSettings
+from mamba_debug.settings_checks import N_GEN_MAX
 from mamba_debug.trace import load_trace
 
 FUZZ = settings(max_examples=25, deadline=5000, suppress_health_check=list(HealthCheck), derandomize=True)
+pytestmark = pytest.mark.usefixtures("bounded_rss")
+# ASCII letters and digits, JSON's specials, a control character, a non-ASCII letter and an astral-plane character
+ALPHABET = string.ascii_letters + string.digits + " _-.,:/\\\"'\n\x00\u00e9\u2603\U0001f600"
+
+
+def texts(max_size: int):
+    return st.text(alphabet=ALPHABET, max_size=max_size)
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +111,8 @@ def test_mutated_trace_is_a_clear_error_or_a_consistent_trace(files, tmp_path_fa
     assert res is None or res.tokens.shape[1] == len(res.token_info)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 12, 10 ** 12) | st.floats()
-                           | st.text(max_size=5),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 12, 10 ** 12) | st.floats() | texts(5),
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(texts(4), c, max_size=3),
                            max_leaves=6)
 
 
@@ -119,7 +132,7 @@ def test_trace_metadata_changed_is_a_clear_error_or_loads(files, tmp_path_factor
 
 
 # -- settings ------------------------------------------------------------------------------------------------
-anything = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6), st.floats(), st.text(max_size=4))
+anything = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6), st.floats(), texts(4))
 
 
 @FUZZ
@@ -135,6 +148,7 @@ def test_settings_are_refused_clearly_or_valid(kw):
     assert isinstance(s.ubatch, int) and s.ubatch >= 1 and isinstance(s.n_seqs, int) and s.n_seqs >= 1
     assert math.isfinite(s.k_floor) and s.k_floor > 1 and isinstance(s.offload, int) and s.offload >= 0
     assert math.isfinite(s.memory_budget_mb) and s.memory_budget_mb > 0
+    assert isinstance(s.n_gen, int) and 0 <= s.n_gen <= N_GEN_MAX
 
 
 # -- numerics: an independent float64 Mamba-1 in numpy -----------------------------------------------------------

@@ -154,9 +154,8 @@ def load_gguf(path) -> MambaModel:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic == b"GGUF":
-        check_gguf_header(path)     # before the library: a header declaring 2^40 elements must not be allocated
+        if fh.read(4) == b"GGUF":           # (else io.gguf says what the file starts with)
+            check_gguf_header(path)         # before the library allocates what a damaged header declares
     try:
         reader = gguf.GGUFReader(str(path), "r")
         arch = reader.get_field("general.architecture")

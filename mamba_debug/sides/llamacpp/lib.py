@@ -6,10 +6,13 @@ package `llama_cpp` is never imported: its module loads a library at import time
 share a process (the second one's libggml*.so.0 would resolve to the first one's by soname). So one library per
 process; asking for another is an error that says so.
 
-Checks (a `MambaDebugError` naming the file and what does not match, exit 2): every symbol this side calls is
-exported; `ggml_tensor_overhead()` gives the struct size the `GgmlTensor` mirror below reads (LP64 layout of
-llama.cpp 0c1e570, the commit llama-cpp-python 0.3.36 vendors); `llama_context_default_params()` returns the
-defaults of that layout (a different llama.h would scramble them); `--device cuda` needs a GPU device in the build.
+Checks (a `MambaDebugError` naming the file and what does not match, exit 2): before `dlopen`, libllama.so and the
+libggml libraries beside it are whole 64-bit ELF shared libraries (`elf.py`: a truncated one would crash the
+process); every symbol this side calls is exported; `ggml_tensor_overhead()` gives the struct size the `GgmlTensor`
+mirror below reads (LP64 layout of llama.cpp 0c1e570, the commit llama-cpp-python 0.3.36 vendors);
+`llama_context_default_params()` returns the defaults of that layout (a different llama.h would scramble them); the
+device count is a count (<= 256) and names are decoded whatever their bytes; `--device cuda` needs a GPU device in
+the build.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...errors import MambaDebugError
+from .elf import check_elf
 
 GGML_OBJECT_SIZE = 32
 
@@ -111,6 +115,7 @@ SYMBOLS = {
     "ggml_backend_dev_type": (c_int, [c_void_p]),
 }
 OPTIONAL = {"llama_version": (c_char_p, []), "ggml_version": (c_char_p, []), "ggml_commit": (c_char_p, [])}
+MAX_DEVICES = 256       # more than any host has: a count beyond it is garbage from a mismatched library
 DEV_GPU = {1, 2}        # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU (CPU 0, ACCEL 3)
 # llama_context_default_params() of the mirrored llama.h: a library with another layout returns other numbers here
 EXPECTED_DEFAULTS = {"n_ctx": 512, "n_batch": 2048, "n_ubatch": 512, "n_seq_max": 1}
@@ -157,7 +162,7 @@ def load_library(llama_lib: Optional[str] = None, device: str = "cpu") -> Librar
     folder = library_dir(llama_lib)
     path = folder / "libllama.so"
     if _LOADED is not None:
-        if _LOADED.path.resolve() != path.resolve():
+        if not _same_file(_LOADED.path, path):
             raise MambaDebugError(f"{path}: this process already runs the llama.cpp library {_LOADED.path}; two "
                                   f"llama.cpp builds cannot share a process (their ggml libraries collide by "
                                   f"name): run another mamba-debug process for the other library")
@@ -171,11 +176,15 @@ def load_library(llama_lib: Optional[str] = None, device: str = "cpu") -> Librar
 
 def _open(path: Path) -> Library:
     if not path.is_file():
-        where = "--llama-lib / LLAMA_CPP_LIB_PATH" if path.parent != default_dir() else "llama-cpp-python"
-        raise MambaDebugError(f"{path}: no such file; {where} must name a folder holding libllama.so and its ggml "
+        own = path.parent == _default_dir_or_none()
+        where = "llama-cpp-python's folder" if own else "--llama-lib / LLAMA_CPP_LIB_PATH"
+        what = "not a file" if path.exists() else "no such file"
+        raise MambaDebugError(f"{path}: {what}; {where} must name a folder holding libllama.so and its ggml "
                               f"libraries (a llama.cpp build's lib or bin folder)")
+    for file in [path] + sorted(f for f in path.parent.glob("libggml*.so*") if f.is_file()):
+        check_elf(file)             # a truncated library would kill the process with SIGBUS inside dlopen
     try:
-        dll = ctypes.CDLL(str(path))
+        dll = _dlopen(path)
     except OSError as exc:
         raise MambaDebugError(f"{path}: cannot be loaded as a shared library ({exc})") from exc
     missing = [name for name in SYMBOLS if not hasattr(dll, name)]
@@ -188,7 +197,25 @@ def _open(path: Path) -> Library:
         fn = getattr(dll, name)
         fn.restype, fn.argtypes = res, args
     check_layout(path, dll.ggml_tensor_overhead(), dll.llama_context_default_params().params)
-    return Library(path, dll, *_version(dll), _devices(dll))
+    return Library(path, dll, *_version(dll), _devices(dll, path))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, ValueError, RuntimeError):     # a path the system refuses (a NUL byte, a symlink loop)
+        return False
+
+
+def _dlopen(path: Path):
+    return ctypes.CDLL(str(path))
+
+
+def _default_dir_or_none() -> Optional[Path]:
+    try:
+        return default_dir()
+    except MambaDebugError:
+        return None
 
 
 def check_layout(path, overhead: int, defaults: ContextParams):
@@ -205,17 +232,17 @@ def check_layout(path, overhead: int, defaults: ContextParams):
 
 
 def check_device(lib: Library, device: str):
+    if device not in ("cpu", "cuda"):
+        raise MambaDebugError(f"{lib.path}: --engine llama.cpp runs on --device cpu or cuda, not {device!r}")
     if device == "cuda" and not lib.has_gpu:
         names = ", ".join(n for n, _ in lib.devices) or "none"
         raise MambaDebugError(f"{lib.path}: --device cuda asked for, but this llama.cpp build has no GPU backend "
                               f"(its devices: {names}); build llama.cpp with -DGGML_CUDA=on and pass it with "
                               f"--llama-lib DIR, or use --device cpu")
-    if device not in ("cpu", "cuda"):
-        raise MambaDebugError(f"--engine llama.cpp runs on --device cpu or cuda, not {device!r}")
 
 
 def _version(dll) -> tuple:
-    get = lambda name: (getattr(dll, name)() or b"").decode() if hasattr(dll, name) else ""  # noqa: E731
+    get = lambda name: _text(getattr(dll, name)()) if hasattr(dll, name) else ""  # noqa: E731
     llama, ggml, commit = get("llama_version"), get("ggml_version"), get("ggml_commit")
     commit = commit if commit and commit != "unknown" else "unknown"
     if not (llama or ggml):
@@ -223,10 +250,19 @@ def _version(dll) -> tuple:
     return f"llama.cpp {llama or '?'} (ggml {ggml or '?'}, commit {commit})", commit
 
 
-def _devices(dll) -> list:
+def _text(raw) -> str:
+    """A C string from the library, readable whatever its bytes (a foreign build may return anything)."""
+    return (raw or b"").decode("utf-8", errors="replace")
+
+
+def _devices(dll, path=None) -> list:
     kinds = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+    count = dll.ggml_backend_dev_count()
+    if not 0 <= count <= MAX_DEVICES:
+        raise MambaDebugError(f"{path}: ggml_backend_dev_count() = {count}, not a device count (0..{MAX_DEVICES}): "
+                              f"the library does not match the llama.h mamba-debug mirrors (llama.cpp 0c1e570)")
     out = []
-    for i in range(dll.ggml_backend_dev_count()):
+    for i in range(count):
         dev = dll.ggml_backend_dev_get(i)
-        out.append(((dll.ggml_backend_dev_name(dev) or b"?").decode(), kinds.get(dll.ggml_backend_dev_type(dev), "?")))
+        out.append((_text(dll.ggml_backend_dev_name(dev)) or "?", kinds.get(dll.ggml_backend_dev_type(dev), "?")))
     return out
