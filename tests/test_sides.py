@@ -34,7 +34,7 @@ class SubsetSide:
     def __getattr__(self, name):                  # u, has_device, save_state, free_step, ...: the real side's
         return getattr(self.inner, name)
 
-    def reset(self, settings, n_seqs):
+    def reset(self, settings, n_seqs, first_seq=0):
         self.inner.reset(settings, n_seqs)
 
     def observed_sites(self):
