@@ -1,0 +1,79 @@
+"""The llama.cpp side's precision-aware verdict (sides/llamacpp/precision.py), on synthetic local errors: no library
+needed. On the H200 every clean cell of the grid read clean or precision (benchmarks/llamacpp_h200.md); here the
+rules themselves: TF32 error within its floor is precision, an FP32 node past k x its floor is a fault wherever
+the propagated drift began, and a run with no reduced-precision node keeps the propagated verdict."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from mamba_debug.sides.llamacpp.local import TF32_LIMIT, LocalErrors, path_of
+from mamba_debug.sides.llamacpp.precision import judge
+from mamba_debug.trace import TokenInfo
+
+DRIFT = {"token": 0, "seq": 0, "layer": 0, "site": "xz", "ubatch": 0, "error": 3e-4, "threshold": 1e-5}
+
+
+def node(op, backend, cols, layer, site, index):
+    return SimpleNamespace(op=op, backend=backend, ne=(64, cols, 1, 1), layer=layer, site=site, name=f"node_{index}",
+                           index=index, extra={})
+
+
+def result(fd):
+    info = [TokenInfo(t, t // 4, t % 4, 4, "prompt") for t in range(8)]
+    err = torch.zeros(2, 8, dtype=torch.float64)
+    err[1, 5] = 0.5
+    return SimpleNamespace(first_divergence=fd, token_info=info, errors={(3, "CONT"): {"rel_l2": err}},
+                           thresholds={(3, "CONT"): 1e-5})
+
+
+def matmul_with_error(local, n, rel, u=0):
+    """Feed a MUL_MAT node whose output is off from x @ w.T by about `rel` (relative L2)."""
+    rng = np.random.default_rng(n.index)
+    w, x = rng.standard_normal((32, 64)), rng.standard_normal((1, 1, n.ne[1], 64))
+    want = x @ w.T
+    got = want * (1 + rel * rng.choice([-1.0, 1.0], size=want.shape))
+    local.add(n, [w[None, None], x], got.astype(np.float32), u)
+
+
+def test_paths():
+    assert path_of(node("MUL_MAT", "CPU", 512, 0, "xz", 1)) == "fp32"
+    assert path_of(node("MUL_MAT", "CUDA0", 2, 0, "xz", 1)).startswith("fp32 (mmvf)")
+    assert path_of(node("MUL_MAT", "CUDA0", 8, 0, "xz", 1)).startswith("tf32 (mmf")
+    assert path_of(node("MUL_MAT", "CUDA0", 512, 0, "xz", 1)).startswith("tf32 (cuBLAS")
+
+
+def test_tf32_error_within_its_floor_is_precision_not_a_bug():
+    local = LocalErrors(10.0)
+    matmul_with_error(local, node("MUL_MAT", "CUDA0", 512, 0, "xz", 14), 3e-4)
+    fd, prec = judge(result(DRIFT), local)
+    assert fd is None and prec["items"][0]["path"].startswith("tf32 (cuBLAS")
+    assert "TF32 in cuBLAS from layer 0" in prec["text"] and "NVIDIA_TF32_OVERRIDE=0" in prec["switches"][0]
+    assert prec["drift_from"] == DRIFT
+
+
+def test_tf32_error_beyond_its_limit_is_a_fault():
+    local = LocalErrors(10.0)
+    matmul_with_error(local, node("MUL_MAT", "CUDA0", 512, 2, "out", 30), 5 * TF32_LIMIT, u=1)
+    fd, prec = judge(result(DRIFT), local)
+    assert prec is None and (fd["layer"], fd["site"], fd["token"]) == (2, "out", 4) and "local error" in fd["by"]
+
+
+def test_fp32_node_past_k_floor_is_found_under_tf32_drift():
+    """A CONT that scrambles a strided view (the #6758 class) in a run drifting from TF32: found at its node and at
+    the sequence whose propagated error passes there."""
+    local = LocalErrors(10.0)
+    matmul_with_error(local, node("MUL_MAT", "CUDA0", 512, 0, "xz", 14), 3e-4)
+    src = np.arange(24, dtype=np.float64).reshape(1, 1, 4, 6)
+    local.add(node("CONT", "CUDA0", 4, 3, "CONT", 40), [src], src[..., ::-1].astype(np.float32), 1)
+    fd, prec = judge(result(DRIFT), local)
+    assert prec is None and (fd["layer"], fd["site"], fd["token"], fd["seq"]) == (3, "CONT", 4, 1)
+
+
+def test_without_reduced_precision_the_propagated_verdict_stands():
+    local = LocalErrors(10.0)
+    matmul_with_error(local, node("MUL_MAT", "CPU", 512, 0, "xz", 14), 1e-3)
+    assert judge(result(DRIFT), local) == (DRIFT, None)
+    assert judge(result(None), local) == (None, None)
