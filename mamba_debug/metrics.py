@@ -10,7 +10,8 @@ returned there: with the reference sides on a GPU only these [S, T] results ever
 
 What runs where:
 * reference on the CPU (the default, `ref_device="cpu"`): `site_errors` is `_site_errors_torch`, plain torch
-  ops in float64 on the CPU, as always.
+  ops in float64 on the CPU, as always. The accumulator asks for one ubatch's sites at once (`site_errors_many`):
+  with one torch thread the sites of one shape are stacked and measured together, the same bits in ~10 passes.
 * reference on a GPU (`ref_device="cuda"`): `site_errors` is `fused_site_errors`, one Triton kernel
   (`_site_metrics.py`, compiled for CUDA) that reads dev and ref once in their own dtypes and strides and sums in
   float64 inside the kernel; the torch version made ~10 float64 passes over every site, 14x an untraced 2.8B
