@@ -7,8 +7,9 @@ Measures, in milliseconds (the dashboard's own `timings`, plus wall time around 
     else matplotlib draws them from the cached run ("views drawn");
   * token step: the token slider moved by one to a token not shown before (no run; curve and state inspector
     drawn);
-  * first result: the offload / ubatch slider moved to a new configuration (a full comparison, then a redraw),
-    with the device side under Triton's interpreter on this CPU (on a GPU the run part shrinks).
+  * first result: the offload / ubatch slider or the kernels dropdown moved to a new configuration (a full
+    comparison, then a redraw), with the device side under Triton's interpreter on this CPU (on a GPU the run part
+    shrinks).
 
 Redraw = matplotlib renders each view to PNG, as in a notebook; the browser's own repaint (< 50 ms) is not in it.
 Writes benchmarks/results/dashboard_cpu.json and prints a table.
@@ -28,6 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# before torch and triton are imported (as engine_cpu.py): triton imported compiled first cannot run the kernels'
+# tl.zeros under the interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel")
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
           "must be in want of a")
@@ -67,6 +71,8 @@ def main() -> int:
     new_runs[f"offload {L + 1} (all + head), ubatch P"] = _timed(dash, offload=L + 1)
     new_runs["offload 6, ubatch P"] = _timed(dash, offload=6)
     new_runs["offload 2, ubatch 8"] = _timed(dash, offload=2, ubatch=8)
+    new_runs["offload 2, ubatch 8, kernels bug_strided_gate"] = _timed(dash, kernels="bug_strided_gate")
+    dash.set(kernels="triton")                 # back to the runs below (cached)
 
     cached, drawn, steps = [], [], []
     seen = [dict(offload=L + 1, ubatch=P), dict(offload=6, ubatch=P), dict(offload=2, ubatch=8),

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .metrics import METRICS, logit_stats, perplexity, site_errors
+from .metrics import METRICS, logit_stats, perplexity, site_errors, site_errors_many
 from .settings import RunSettings
 from .trace import CompareResult
 
@@ -37,6 +37,7 @@ class Accumulator:
         """v*: (layer, site) -> (value, per_token) of one ubatch per side. floors: this ubatch's floor per site,
         shared by every run over the same reference (filled here if empty)."""
         T = vref[(None, "logits")][0].shape[1]
+        rows, pairs = [], []            # every site's metrics of this ubatch are measured together (metrics.py)
         for key, (ref, per_token) in vref.items():
             observed = key in vdev
             dev = vdev[key][0] if observed else None
@@ -48,11 +49,24 @@ class Accumulator:
             elif a is b or dev is ref:
                 e = _identical(b)                       # shared host blocks: exactly 0
             elif at_end:
-                e = {m: _at_last(v, T) for m, v in site_errors(dev[:, None], b[:, -1:]).items()}
+                e = len(pairs)
+                pairs.append((dev[:, None], b[:, -1:]))
             else:
-                e = site_errors(a, b)
+                e = len(pairs)
+                pairs.append((a, b))
+            f = None
             if key not in floors:
-                floors[key] = site_errors(a32, a64)["rel_l2"]
+                f = len(pairs)
+                pairs.append((a32, a64))
+            rows.append((key, ref, dev, per_token, at_end, e, f))
+        measured = site_errors_many(pairs)
+        for key, ref, dev, per_token, at_end, e, f in rows:
+            if isinstance(e, int):
+                e = measured[e]
+                if at_end:
+                    e = {m: _at_last(v, T) for m, v in e.items()}
+            if f is not None:
+                floors[key] = measured[f]["rel_l2"]
             f = floors[key]
             if not per_token:       # a state taken at the ubatch's end belongs to its last token
                 e = {m: _at_last(v, T) for m, v in e.items()}

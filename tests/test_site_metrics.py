@@ -229,6 +229,41 @@ def test_site_errors_on_the_cpu_is_the_torch_version():
         assert torch.equal(got[m], want[m])
 
 
+def test_many_sites_at_once_are_each_site_bit_for_bit():
+    """site_errors_many stacks the pairs of one shape (one torch thread): every value as site_errors gives it alone,
+    including NaN/inf patterns, float32-vs-float64 pairs, single-token rows and a non-contiguous pair."""
+    if DEVICE == "cuda":
+        pytest.skip("CPU stacking: checked by the CPU run")
+    from mamba_debug.metrics import site_errors_many
+    g = torch.Generator().manual_seed(7)
+    pairs = []
+    for shape in [(1, 1, 256), (1, 1, 4096), (1, 64, 256), (3, 8, 16), (2, 1, 768), (1, 27, 4096)]:
+        for k in range(4):
+            ref = torch.randn(shape, generator=g, dtype=torch.float64)
+            dev = (ref + 1e-7 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
+            if k == 1:
+                dev.view(-1)[3] = NAN
+            if k == 2:
+                ref = ref.float()
+                ref.view(-1)[0] = INF
+            if k == 3:
+                dev = ref.clone()
+            pairs.append((dev, ref))
+    wide = torch.randn(2, 5, 32, generator=g)
+    pairs.append((wide[..., :16], wide[..., 16:]))             # strided views: measured on their own
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = site_errors_many(pairs)
+    finally:
+        torch.set_num_threads(before)
+    for (dev, ref), e in zip(pairs, got):
+        want = site_errors(dev, ref)
+        for m in METRICS:
+            assert torch.equal(e[m].isnan(), want[m].isnan()), m
+            assert torch.equal(e[m].nan_to_num(0.0), want[m].nan_to_num(0.0)), (m, dev.shape)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the GPU run checks this (MAMBA_DEBUG_TEST_DEVICE=cuda)")
 def test_site_errors_on_a_gpu_is_the_kernel():
     ref = rand(2, 3, 500).cuda()
