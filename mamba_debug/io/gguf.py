@@ -22,8 +22,7 @@ is in `model.notes`. `export_gguf(model, path, dtype)` writes f32, f16, bf16 or 
 """
 from __future__ import annotations
 
-import os
-import tempfile
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ from ..config import MambaConfig
 from ..errors import CheckpointError, MambaDebugError
 from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel
+from ..safeio import atomic_path
 from .gguf_header import check_gguf_header
 from .gguf_vocab import add_vocab, read_tokenizer, tokenizer_vocab
 from .weights import check_params
@@ -234,6 +234,21 @@ def _tensor(t, shape: tuple, path: Path, gguf) -> torch.Tensor:
 # =================================================================================================
 # writing
 # =================================================================================================
+@contextlib.contextmanager
+def gguf_writer(out_path, arch: str, gguf):
+    """A GGUFWriter for `arch` on a unique temporary file beside `out_path` (safeio.atomic_path); what the block adds
+    is written and the file renamed into place when it ends without error, else nothing is left behind."""
+    with atomic_path(out_path) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        try:
+            yield w
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
+
+
 def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
     """Write `model` as a GGUF of architecture `mamba` that llama.cpp loads.
 
@@ -260,12 +275,7 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
     vocab = tokenizer_vocab(model) if model.tokenizer is not None else None      # refusals before any file
 
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".part", dir=out_path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    try:
+    with gguf_writer(out_path, ARCH, gguf) as w:
         w.add_name(Path(model.source).name or "mamba")
         w.add_context_length(2 ** 20)               # arbitrary, as the converter writes
         w.add_embedding_length(c.d_model)
@@ -293,18 +303,6 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
             qt = big if leaf in ("embed", "lm_head", "in_proj", "out_proj") else q.F32
             data, qt = _encode(t, qt, gguf)
             w.add_tensor(name, data, raw_dtype=qt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            w.close()
-        except Exception:  # noqa: BLE001
-            pass
-        tmp.unlink(missing_ok=True)
-        raise
     return out_path
 
 

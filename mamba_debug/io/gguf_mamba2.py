@@ -18,7 +18,6 @@ input_linear), `ffn_down` on every layer; `attention.head_count_kv` is a per-lay
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -79,10 +78,7 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
     big = {"f32": q.F32, "f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0}[dtype]
     vocab = tokenizer_vocab(model) if model.tokenizer is not None else None
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), HYBRID if hybrid else ARCH)
-    try:
+    with gguf1.gguf_writer(out_path, HYBRID if hybrid else ARCH, gguf) as w:
         w.add_name(Path(model.source).name or "mamba2")
         w.add_context_length(2 ** 20)
         w.add_embedding_length(c.d_model)
@@ -113,18 +109,6 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
             for name, part in zip(parts, np.split(t, len(parts), axis=0)):     # ffn_up: gate rows, then up rows
                 data, pqt = gguf1._encode(part, qt, gguf)
                 w.add_tensor(name, data, raw_dtype=pqt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            w.close()
-        except Exception:  # noqa: BLE001
-            pass
-        tmp.unlink(missing_ok=True)
-        raise
     return out_path
 
 
