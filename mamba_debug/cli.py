@@ -164,6 +164,8 @@ def cmd_compare(args) -> int:
     from .trace import save_trace  # noqa: PLC0415
     from .views.summary import summary, to_json  # noqa: PLC0415
     guard_outputs(args, **{"--json": args.json, "--trace": args.trace, "--report": args.report})
+    if args.three_way:
+        return _three_way(args)
     model, ids = model_and_prompt(args)
     res = run_compare(model, ids, settings_from(args), progress=_progress(sys.stderr.isatty()))
     print(summary(res))
@@ -176,6 +178,29 @@ def cmd_compare(args) -> int:
         from .views.report import write_report  # noqa: PLC0415
         print(f"report    {write_report(res, args.report)}")
     return 1 if res.first_divergence else 0
+
+
+def _three_way(args) -> int:
+    """compare --three-way: float64 reference vs llama.cpp CPU vs llama.cpp CUDA (three_way.py)."""
+    from .three_way import html_three_way, run_three_way, summary_three_way, to_json_three_way  # noqa: PLC0415
+    from .views.summary import summary  # noqa: PLC0415
+    if args.device not in (None, "auto"):
+        raise MambaDebugError("--three-way runs both --device cpu and --device cuda: leave --device out")
+    if args.trace:
+        raise MambaDebugError("--three-way keeps no trace file: save each backend's trace with its own --device run")
+    model, ids = model_and_prompt(args)
+    tw = run_three_way(model, ids, settings_from(args).replace(device=None), progress=_progress(sys.stderr.isatty()),
+                       on_run=lambda label: print(f"running   {label}", file=sys.stderr))
+    for label, res in tw.runs.items():
+        print(f"== {label}\n{summary(res)}")
+    print(summary_three_way(tw))
+    if args.json:
+        _write_json(args.json, to_json_three_way(tw))
+        print(f"json      {args.json}")
+    if args.report:
+        from .views.report import write_report  # noqa: PLC0415
+        print(f"report    {write_report(tw.primary, args.report, extra=(('Three-way', html_three_way(tw)),))}")
+    return 1 if tw.diverged else 0
 
 
 def _keep_partial(args, command: str, stop) -> int:
@@ -317,8 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mamba-debug", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    _run_command(sub, "compare", cmd_compare, "run reference and device side by side, report where drift begins",
-                 ("json", "report", "trace"))
+    p = _run_command(sub, "compare", cmd_compare, "run reference and device side by side, report where drift begins",
+                     ("json", "report", "trace"))
+    p.add_argument("--three-way", action="store_true", help="with --engine llama.cpp: the float64 reference vs "
+                   "llama.cpp on its CPU backend vs on CUDA (one CUDA build), in one run and one report")
     p = _run_command(sub, "sweep", cmd_sweep, "first divergence over offload x ubatch (x sequences)")
     p.add_argument("--offloads", default=None, help="offload counts (default 0..n_layer+1)")
     p.add_argument("--ubatches", default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")

@@ -52,11 +52,12 @@ def sections(res: CompareResult) -> list[str]:
     return out
 
 
-def write_report(res: CompareResult, path) -> Path:
+def write_report(res: CompareResult, path, extra: tuple = ()) -> Path:
+    """extra: (title, HTML) sections put before the views (the three-way table)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = to_json(res)
-    body = "\n".join(sections(res))
+    body = "\n".join([f"<h2>{html.escape(t)}</h2>{h}" for t, h in extra] + sections(res))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>mamba-debug report</title>
 <style>{STYLE}</style></head><body>
 <h1>mamba-debug: {'DIVERGED' if res.first_divergence else 'no divergence'}</h1>
