@@ -34,6 +34,8 @@ def test_notebook_executes(path, monkeypatch):
     pytest.importorskip("ipywidgets", reason="notebook extras: pip install -r requirements-lab.txt")
     if not HAS_TINY:
         pytest.skip("the shipped tiny model (data/tiny-mamba) is not there: the notebooks run on it")
+    if "llamacpp" in path.stem:
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh")
     # the kernel imports mamba_debug from this checkout whether or not it was pip-installed
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
