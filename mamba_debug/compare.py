@@ -85,14 +85,16 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
             merge_groups(res, parts)
         if hasattr(sides["device"], "observer_effect"):      # an engine traced from outside: does tracing change it?
             sides["device"].observer_effect()
-            sides["device"].close()
-    res.timings["compare_s"] = time.perf_counter() - t0
     res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
     res.first_divergence = find_first_divergence(res)
     judge = getattr(sides["device"], "judge", None)     # an engine that knows its arithmetic paths (llama.cpp)
     if judge is not None:
-        res.first_divergence, res.precision = judge(res)
-        res.judged = True
+        try:
+            res.first_divergence, res.precision = judge(res)
+            res.judged = True
+        finally:
+            sides["device"].close()
+    res.timings["compare_s"] = time.perf_counter() - t0
     return res
 
 

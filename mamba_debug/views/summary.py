@@ -104,7 +104,8 @@ def verdict(res: CompareResult) -> str:
                     default=0.0)
         return (f"no divergence: every site stays within {res.settings.k_floor:g}x its float32 rounding floor "
                 f"(worst site at {worst:.2g}x its threshold)")
-    where = "the output head" if fd["layer"] is None else f"layer {fd['layer']}"
+    where = (f"layer {fd['layer']}" if fd["layer"] is not None else "the output head" if fd["site"] in MODEL_SITES
+             else "the model input (before layer 0)")          # llama.cpp's embedding lookup ('GET_ROWS')
     what = "NaN/Inf born" if fd["nan"] else f"error {fd['error']:.3g} > threshold {fd['threshold']:.3g}"
     return (f"DIVERGED at token {fd['token']} (seq {fd['seq']}, ubatch {fd['ubatch']}, {fd['position']}), {where}, "
             f"site '{fd['site']}': {what}")

@@ -178,3 +178,18 @@ def test_local_error_per_node_finds_where_an_error_is_born(subject):
     res = compare(subject, 4, 2, fault=_fault(3, "SSM_CONV", 1, 2, 1, 0, T=2), local=True)
     first = res.sides["device"].extra["local"]["first_over"]
     assert (first["ubatch"], first["layer"], first["site"]) == (1, 3, "SSM_CONV"), first
+
+
+def test_fault_born_in_a_node_without_reference_is_named_by_its_local_error(subject):
+    """The embedding lookup has no reference value of its own: a fault there first shows at layer 0's RMS_NORM, and
+    the replay with local errors (up to that ubatch) names the node where it is born."""
+    def hook(node, a, u, first_seq):
+        if node.name == "embd" and u == 1:
+            flat = a.reshape(-1)
+            flat[3] += 0.5 + abs(flat[3])
+    res = compare(subject, 4, 1, fault=hook)
+    fd = res.first_divergence
+    assert (fd["token"], fd["seq"], fd["layer"], fd["site"]) == (4, 0, None, "GET_ROWS"), fd
+    assert "RMS_NORM" in fd["by"] and res.sides["device"].extra["local_replay"]["same_bits"]
+    clean = _run_fault(subject, 4, 1, 10, "SSM_CONV", 2, 0, 1).first_divergence    # a compared node stays itself
+    assert (clean["layer"], clean["site"]) == (10, "SSM_CONV") and "by" not in clean

@@ -4,7 +4,7 @@ separates the error a node makes from the error it inherits: a node whose local 
 where an error is born, whatever its inputs carried.
 
 Ops: RMS_NORM, MUL_MAT, SSM_CONV, SSM_SCAN (Mamba-1), SILU, SWIGLU, MUL, ADD, and the data movers CONT, CPY,
-GET_ROWS, CONCAT (exact: a strided view read as contiguous shows here). Arrays are in ggml's order reversed (numpy
+GET_ROWS, CONCAT, SCALE (exact: a strided view read as contiguous shows here). Arrays are in ggml's order reversed (numpy
 shape ne[3], ne[2], ne[1], ne[0]), as nodes.read_data gives them.
 
 Each node is judged against the floor of the arithmetic path it ran on (`path_of`): FP32 paths (every CPU node)
@@ -22,7 +22,7 @@ FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps)
 TF32_FLOOR = 1.2e-3
 TF32_LIMIT = 4 * TF32_FLOOR
 OPS = ("RMS_NORM", "MUL_MAT", "SSM_CONV", "SSM_SCAN", "SILU", "SWIGLU", "MUL", "ADD", "CONT", "CPY", "GET_ROWS",
-       "CONCAT")
+       "CONCAT", "SCALE")
 
 
 def recompute(op: str, srcs: list, out_shape: tuple, op_params) -> np.ndarray | None:
@@ -55,6 +55,9 @@ def recompute(op: str, srcs: list, out_shape: tuple, op_params) -> np.ndarray | 
         return srcs[0].reshape(out_shape) if srcs[0].size == int(np.prod(out_shape)) else None
     if op == "GET_ROWS" and srcs[0].ndim == 4 and srcs[0].shape[:2] == (1, 1):
         return srcs[0][0, 0][srcs[1].reshape(-1).astype(np.int64)].reshape(out_shape)
+    if op == "SCALE":                           # x * s + b (llama.cpp zeroes a fresh sequence's state rows so)
+        s, b = (struct.unpack("f", struct.pack("i", p))[0] for p in op_params[:2])
+        return srcs[0] * s + b
     if op == "CONCAT":
         return np.concatenate([srcs[0], srcs[1]], axis=3 - int(op_params[0]))
     return None
@@ -119,10 +122,12 @@ class LocalErrors:
         self.first = self.fault = None
         self.excused: dict = {}
         self.reduced = False            # did any node run on a reduced-precision path
+        self.index_of: dict = {}        # (ubatch, first_seq, layer, site) -> the node's index in its graph
 
     def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0):
         path = path_of(node)
         self.reduced |= not path.startswith("fp32")
+        self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
         if node.op not in OPS or any(a is None for a in srcs):
             return
         want = recompute(node.op, [a.astype(np.float64, copy=False) for a in srcs], got.shape,
@@ -136,7 +141,7 @@ class LocalErrors:
         where = {"ubatch": u, "first_seq": first_seq, "layer": node.layer, "site": site, "op": node.op,
                  "name": node.name, "path": path, "error": err}
         if self.first is None and err > self.k * FP32_FLOOR:
-            self.first = {**where, "threshold": self.k * FP32_FLOOR}
+            self.first = {**where, "threshold": self.k * FP32_FLOOR, "index": node.index}
         limit = self.k * FP32_FLOOR if path.startswith("fp32") else TF32_LIMIT
         if err > limit:
             if self.fault is None:

@@ -8,7 +8,9 @@ error cannot tell that from a fault, so when a run used a reduced-precision path
   the first divergence is that node;
 - none -> `first_divergence` None (exit 0) and a `precision` list: the reduced-precision nodes whose error the FP32
   threshold would not excuse, with their path, error and floor, and the switch that removes each where one exists.
-A run with no reduced-precision node keeps the propagated verdict unchanged (every CPU build).
+A run with no reduced-precision node keeps the propagated verdict (every CPU build), refined by `refine`: llama.cpp
+has nodes with no reference value (the SCALE that zeroes a fresh sequence's state, the state copies, ...), so a
+fault born there first shows at the compared node that consumes it; the node's local error names the node itself.
 """
 from __future__ import annotations
 
@@ -58,3 +60,19 @@ def _at_node(res, f: dict) -> dict:
             "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
             "error": f["error"], "threshold": f["threshold"], "nan": f["error"] != f["error"],
             "on_device": True, "by": f"local error of node {f['name']} ({f['op']}, {f['path']})"}
+
+
+def refine(res, fd: Optional[dict], local) -> Optional[dict]:
+    """The propagated first divergence, moved to the node where the error is born when that node is not compared:
+    the first node of the same ubatch (and group) past k x the FP32 floor of one op, before fd's node in graph
+    order, whose (layer, site) has no reference value. Otherwise fd unchanged."""
+    first = local.first
+    if fd is None or first is None or (first["layer"], first["site"]) in res.errors:
+        return fd
+    group = first["first_seq"]
+    at = local.index_of.get((fd["ubatch"], group, fd["layer"], fd["site"]))
+    if first["ubatch"] != fd["ubatch"] or at is None or first["index"] >= at:
+        return fd
+    return {**fd, "layer": first["layer"], "site": first["site"], "error": first["error"],
+            "threshold": first["threshold"], "by": f"local error of node {first['name']} ({first['op']}): the "
+            f"first node past the float32 floor of one op; '{fd['site']}' at layer {fd['layer']} consumes it"}

@@ -25,7 +25,7 @@ from .lib import EvalCallback, GgmlTensor, LogCallback, load_library
 from .reference import derived_sites
 from .local import OPS as LOCAL_OPS
 from .local import LocalErrors, path_of
-from .precision import judge
+from .precision import judge, refine
 from .nodes import DTYPES, HEAD_SITES, LAYER_SITES, GraphMap, host_array, read_data, read_node
 
 # Tests inject faults here: fn(node, array, ubatch_index) is called in the observe call of every mapped node,
@@ -201,8 +201,39 @@ class LlamaCppSide:
         return out
 
     def judge(self, res):
-        """(first_divergence, precision): the precision-aware verdict (precision.py); unchanged without local errors."""
-        return judge(res, self.local) if self.local is not None else (res.first_divergence, None)
+        """(first_divergence, precision): the precision-aware verdict (precision.py). A divergence on a run without
+        local errors is replayed with them up to its ubatch (the CPU backend is deterministic: the observer effect
+        check shows the same bits), to find a fault born in a node that has no reference value."""
+        if self.local is not None:
+            fd, prec = judge(res, self.local)
+            return refine(res, fd, self.local) if prec is None and not self.local.reduced else fd, prec
+        fd = res.first_divergence
+        if fd is None:
+            return fd, None
+        self.local = LocalErrors(self.s.k_floor)
+        try:
+            same = self._replay_until(fd)
+            self.info.extra["local_replay"] = {"until_ubatch": fd["ubatch"], "same_bits": same, **self.local.to_dict()}
+            return (refine(res, fd, self.local) if same else fd), None
+        finally:
+            self.local = None
+
+    def _replay_until(self, fd: dict):
+        """The schedule again, traced, from the start of fd's group of sequences up to fd's ubatch; whether every
+        replayed ubatch gave the traced run's logits bit for bit."""
+        u, same = -1, True
+        for first_seq, tokens, logits, _ in self._history:
+            if not first_seq <= fd["seq"] < first_seq + tokens.shape[0]:
+                continue
+            u += 1
+            if u == 0:
+                self.lib.llama_memory_clear(self.mem, True)
+                self.first_seq, self.n_seqs, self.pos = first_seq, tokens.shape[0], [0] * tokens.shape[0]
+            self.u = u
+            same &= torch.equal(self._decode(tokens, trace=True)[0], logits)   # the replay must be the same run
+            if u == fd["ubatch"]:
+                break
+        return same
 
     def close(self):
         """Free the context and the model (a sweep builds one side per cell)."""
@@ -282,9 +313,9 @@ class LlamaCppSide:
             if node.op == "SSM_CONV":
                 g["shape"] = (node.ne[1], node.ne[2])
             data = None
+            if FAULT is not None and node.size:          # the tests' stand-in for a fault inside the build
+                FAULT(node, host_array(node), self.u, self.first_seq)
             if node.site and (node.layer, node.site) in self._observed:
-                if FAULT is not None:
-                    FAULT(node, host_array(node), self.u, self.first_seq)
                 data = g["data"][(node.layer, node.site)] = read_data(self.lib, node)
             if self.local is not None:
                 self._local(g, node, data)
@@ -300,7 +331,8 @@ class LlamaCppSide:
             return
         data = read_data(self.lib, node) if data is None else data
         g.setdefault("all", {})[node.addr] = data
-        if node.op in LOCAL_OPS and node.layer is not None or node.name in ("result_norm", "result_output", "norm"):
+        if node.op in LOCAL_OPS and node.layer is not None or node.name in ("embd", "result_norm", "result_output",
+                                                                             "norm"):
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
             self.local.add(node, srcs, data, self.u, self.first_seq)
 
