@@ -119,11 +119,15 @@ def merge_groups(res: CompareResult, parts: list):
     cat = lambda get: torch.cat([get(p) for p in parts], 0)  # noqa: E731
     first = parts[0]
     res.tokens = cat(lambda p: p.tokens)
-    res.token_info, res.trace_tokens = first.token_info, first.trace_tokens   # the same per group
+    res.token_info, res.trace_tokens = first.token_info, dict(first.trace_tokens)
+    if any(p.token_info != first.token_info for p in parts):     # a smaller last group runs longer ubatches
+        res.seq_token_info = [p.token_info for p in parts for _ in range(p.tokens.shape[0])]
     res.errors = {k: {m: cat(lambda p: p.errors[k][m]) for m in v} for k, v in first.errors.items()}
     res.floor = {k: cat(lambda p: p.floor[k]) for k in first.floor}
     res.logits = {m: cat(lambda p: p.logits[m]) for m in first.logits}
-    res.trace = {k: cat(lambda p: p.trace[k]) for k in first.trace}
+    res.trace = {k: cat(lambda p: p.trace[k]) if len({p.trace[k].shape[1:] for p in parts}) == 1
+                 else _per_token(res, parts, k) for k in first.trace}
+    res.trace = {k: v for k, v in res.trace.items() if v is not None}
     res.local = {k: cat(lambda p: p.local[k]) for k in first.local}
     rep = [p.nondeterminism for p in parts if p.nondeterminism]
     res.nondeterminism = max(rep, key=lambda r: r["rel_l2"]) if rep else None
@@ -131,6 +135,22 @@ def merge_groups(res: CompareResult, parts: list):
     res.perplexity = {k: math.exp(sum(m * math.log(p.perplexity[k]) for m, p in zip(n, parts)) / sum(n))
                       for k in first.perplexity}
     res.generations = {k: [x for p in parts for x in p.generations[k]] for k in first.generations}
+
+
+def _per_token(res: CompareResult, parts: list, key):
+    """A value kept at ubatch ends whose groups ended their ubatches at other tokens: one row per token, NaN where
+    the group kept nothing (`trace_tokens` becomes every token for it)."""
+    n_tok = res.tokens.shape[1]
+    rows = []
+    for p in parts:
+        v = p.trace[key]
+        if v.shape[1] != len(p.trace_tokens[key[1:]]):
+            return None                 # not one row per kept token: not kept (shown as not captured)
+        full = torch.full((v.shape[0], n_tok) + tuple(v.shape[2:]), math.nan, dtype=v.dtype)
+        full[:, p.trace_tokens[key[1:]]] = v
+        rows.append(full)
+    res.trace_tokens[key[1:]] = list(range(n_tok))
+    return torch.cat(rows, 0)
 
 
 def _cat_cpu(chunks: list) -> torch.Tensor:

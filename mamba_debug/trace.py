@@ -85,6 +85,7 @@ class CompareResult:
     first_divergence: Optional[dict] = None
     precision: Optional[dict] = None               # llama.cpp on reduced-precision paths: the excess they explain
     judged: bool = False                           # first_divergence set by the side's own verdict, not recomputable
+    seq_token_info: Optional[list] = None          # per sequence, when groups of sequences ran other ubatches
 
     @property
     def n_layer(self) -> int:
@@ -102,6 +103,11 @@ class CompareResult:
         """(layer, site) keys in graph order: layers ascending, then the model-level sites; only those compared."""
         keys = [(i, s) for i, sites in enumerate(self.layer_sites) for s in sites] + [(None, s) for s in MODEL_SITES]
         return [k for k in keys if k in self.errors]
+
+    def token_infos(self, seq: int) -> list:
+        """The ubatch schedule sequence `seq` ran: `token_info`, unless groups of sequences ran different ones
+        (-ub + 1 < n_seqs with a smaller last group: llama.cpp gives it more tokens per ubatch)."""
+        return self.seq_token_info[seq] if self.seq_token_info else self.token_info
 
     def is_observed(self, key, side: str = "device") -> bool:
         return key in self.observed.get(side, ())
@@ -132,7 +138,7 @@ def find_first_divergence(res: CompareResult) -> Optional[dict]:
             if col.any():
                 errs = res.errors[key]["rel_l2"][:, t]
                 seq = int(torch.nonzero(col)[0])
-                info = res.token_info[t]
+                info = res.token_infos(seq)[t]
                 err = float(errs[seq])
                 layer, site = key
                 return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": info.ubatch,
@@ -187,7 +193,9 @@ def save_trace(res: CompareResult, path) -> Path:
             "nondeterminism": res.nondeterminism, "generations": res.generations,
             "perplexity": res.perplexity, "timings": res.timings,
             **({"judged": {"first_divergence": res.first_divergence, "precision": res.precision}} if res.judged
-               else {})}
+               else {}),
+            **({"seq_token_info": [[t.__dict__ for t in row] for row in res.seq_token_info]}
+               if res.seq_token_info else {})}
     from .safeio import atomic_path  # noqa: PLC0415
     path = Path(path)
     with atomic_path(path) as tmp:
@@ -249,6 +257,8 @@ def _from_file(meta, tensors: dict, path) -> CompareResult:
     check_numbers(res.settings)
     check_result(res, path)
     res.first_divergence = find_first_divergence(res)
+    if "seq_token_info" in meta:
+        res.seq_token_info = [[TokenInfo(**t) for t in row] for row in meta["seq_token_info"]]
     if "judged" in meta:                # a side's own verdict (llama.cpp's precision-aware one) is kept as given
         res.first_divergence, res.precision = meta["judged"]["first_divergence"], meta["judged"]["precision"]
         res.judged = True

@@ -11,7 +11,7 @@ from .errors import MambaDebugError
 
 META_KEYS = {"settings", "model_info", "sides", "layer_sites", "observed", "placement", "n_prompt", "token_info",
              "thresholds", "trace_tokens", "nondeterminism", "generations", "perplexity", "timings"}
-OPTIONAL_META = {"judged"}
+OPTIONAL_META = {"judged", "seq_token_info"}
 TENSOR_KINDS = {"tokens", "err", "floor", "logits", "trace", "local"}
 
 

@@ -193,3 +193,13 @@ def test_fault_born_in_a_node_without_reference_is_named_by_its_local_error(subj
     assert "RMS_NORM" in fd["by"] and res.sides["device"].extra["local_replay"]["same_bits"]
     clean = _run_fault(subject, 4, 1, 10, "SSM_CONV", 2, 0, 1).first_divergence    # a compared node stays itself
     assert (clean["layer"], clean["site"]) == (10, "SSM_CONV") and "by" not in clean
+
+
+def test_a_smaller_last_group_runs_its_own_ubatches(subject):
+    """-ub 2 with 4 sequences: sequences 0-2 share ubatches of one token each, sequence 3 then runs alone with two
+    tokens per ubatch (llama.cpp's equal split of what is left); each sequence's schedule is its own."""
+    res = compare(subject, 2, 4)
+    assert res.first_divergence is None and res.seq_token_info is not None
+    assert res.token_infos(0)[0].ubatch_len == 1 and res.token_infos(3)[0].ubatch_len == 2
+    fd = compare(subject, 2, 4, fault=_fault(2, "y_scan", 1, 1, 0, 1, T=2, group=3)).first_divergence
+    assert (fd["seq"], fd["token"], fd["layer"], fd["site"], fd["ubatch"]) == (3, 3, 2, "y_scan", 1), fd

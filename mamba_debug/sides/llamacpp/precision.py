@@ -47,7 +47,8 @@ def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
 def _at_node(res, f: dict) -> dict:
     """The first divergence at a node found by its local error: the first token of its ubatch (in the node's group of
     sequences), the first sequence there whose propagated error passes its threshold (else the group's first)."""
-    toks = [t for t, info in enumerate(res.token_info) if info.ubatch == f["ubatch"]]
+    infos = res.token_infos(f["first_seq"])
+    toks = [t for t, info in enumerate(infos) if info.ubatch == f["ubatch"]]
     t = toks[0] if toks else 0
     key = (f["layer"], f["site"])
     seq = f["first_seq"]
@@ -55,7 +56,7 @@ def _at_node(res, f: dict) -> dict:
         over = res.errors[key]["rel_l2"][:, toks] > res.thresholds[key]
         rows = [s for s in range(f["first_seq"], over.shape[0]) if bool(over[s].any())]
         seq = rows[0] if rows else seq
-    info = res.token_info[t]
+    info = infos[t]
     return {"token": t, "seq": seq, "layer": f["layer"], "site": f["site"], "ubatch": info.ubatch,
             "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
             "error": f["error"], "threshold": f["threshold"], "nan": f["error"] != f["error"],
