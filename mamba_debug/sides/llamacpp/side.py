@@ -97,7 +97,8 @@ class LlamaCppSide:
                                     "op_offload": self._op_offload(),
                                     "n_gpu_layers": mp.n_gpu_layers, "n_threads": self._threads(),
                                     "fp32_everywhere": self.fp32, "layer_kinds": list(self.kinds),
-                                    **({"kv_cache": "f32", "flash_attn": False} if "attention" in self.kinds else {}), "nodes": []})
+                                    **({"kv_cache": "f32", "flash_attn": False} if "attention" in self.kinds
+                                       else {}), "nodes": []})
 
     def _label(self) -> str:
         return (f"llama.cpp {self.s.device.upper()} build {self.lib.path} ({self.lib.version}), "
