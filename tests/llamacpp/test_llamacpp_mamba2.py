@@ -50,12 +50,12 @@ def subjects(tmp_path_factory):
     return get
 
 
-def compare(subject, ubatch, n_seqs, fault=None):
+def compare(subject, ubatch, n_seqs, fault=None, **kw):
     _, model, ids, _ = subject
     lside.FAULT = fault
     try:
         return run_compare(model, ids, RunSettings(engine="llama.cpp", device="cpu", ubatch=ubatch, n_seqs=n_seqs,
-                                                   n_gen=N_GEN))
+                                                   n_gen=N_GEN, **kw))
     finally:
         lside.FAULT = None
 
@@ -141,6 +141,17 @@ def test_fault_in_the_second_group_of_sequences(subjects, name):
     res = compare(subject, 1, 3, fault=_fault(layer, site, 5, 1, 0, 0, T=1, group=2))
     fd = res.first_divergence
     assert (fd["seq"], fd["token"], fd["layer"], fd["site"]) == (2, 5, layer, site), fd
+
+
+def test_local_error_per_node_on_the_hybrid(subjects):
+    """--local on Granite's graph (grouped-query kq broadcasts its kv heads): clean within the fp32 floor; a fault
+    written into an attention layer's attn is the first node past it."""
+    subject = subjects("tiny-granite-hybrid")
+    loc = compare(subject, 4, 2, local=True).sides["device"].extra["local"]
+    assert loc["first_over"] is None and {"2.attn", "2.MUL_MAT#4", "3.y_norm", "3.ffn_act"} <= set(loc["max_per_node"])
+    res = compare(subject, 4, 2, fault=_fault(5, "attn", 1, 2, 1, 0, T=2), local=True)
+    first = res.sides["device"].extra["local"]["first_over"]
+    assert (first["ubatch"], first["layer"], first["site"]) == (1, 5, "attn"), first
 
 
 @pytest.mark.parametrize("name", MODELS)
