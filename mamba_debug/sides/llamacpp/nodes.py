@@ -8,6 +8,8 @@ Layers are assigned by data flow, never by position (adjacent layers' nodes inte
 The site: DESIGN.md's name where one exists (NODE_MAP, the one table), else the ggml op name with an ordinal from
 the second node of that op in the layer (`SSM_CONV`, `MUL_MAT#2`, `CONT#2`). Views, reshapes, permutes and
 transposes compute nothing and are not sites, except the B and C views of the x_proj output (DESIGN.md's B, C).
+NODE_MAP and LAYER_SITES are Mamba-1's; the layers of a Mamba-2 or hybrid graph are mapped by maps.py (GraphMap is
+given each layer's kind).
 """
 from __future__ import annotations
 

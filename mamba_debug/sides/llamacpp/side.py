@@ -3,6 +3,7 @@
 One context with n_seq_max = S state slots; each step is one `llama_batch` of S x T tokens, sequence-major, with
 n_ubatch = RunSettings.ubatch (llama.cpp's -ub), so llama.cpp's equal split makes exactly the ubatch compare asked
 for; the side checks that (one graph, its `inp_tokens` and its SSM_CONV's [T, S]) and refuses otherwise.
+Graphs of llama.cpp's `mamba`, `mamba2` and `granitehybrid` architectures (nodes.py, maps.py).
 """
 from __future__ import annotations
 
