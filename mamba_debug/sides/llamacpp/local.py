@@ -3,9 +3,9 @@ the node really read (as observed, before anything could overwrite them), agains
 separates the error a node makes from the error it inherits: a node whose local error passes its path's floor is
 where an error is born, whatever its inputs carried.
 
-Ops: RMS_NORM, MUL_MAT, SSM_CONV, SSM_SCAN (Mamba-1), SILU, SWIGLU, MUL, ADD, and the data movers CONT, CPY,
-GET_ROWS, CONCAT, SCALE (exact: a strided view read as contiguous shows here). Arrays are in ggml's order reversed (numpy
-shape ne[3], ne[2], ne[1], ne[0]), as nodes.read_data gives them.
+Ops: RMS_NORM, MUL_MAT (with ggml's broadcast of src0's heads), SSM_CONV, SSM_SCAN (Mamba-1 only), SILU, SWIGLU,
+MUL, ADD, SCALE, and the data movers CONT, CPY, GET_ROWS, CONCAT (exact: a strided view read as contiguous shows
+here). Arrays are in ggml's order reversed (numpy shape ne[3], ne[2], ne[1], ne[0]), as nodes.read_data gives them.
 
 Each node is judged against the floor of the arithmetic path it ran on (`path_of`): FP32 paths (every CPU node)
 k x FP32_FLOOR, TF32 paths (CUDA's mmf tile kernel and cuBLAS on its TF32 handle) TF32_LIMIT.
@@ -33,6 +33,11 @@ def recompute(op: str, srcs: list, out_shape: tuple, op_params) -> np.ndarray | 
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
     if op == "MUL_MAT":
         w, x = srcs[0], srcs[1]                 # w (.., M, K), x (.., N, K) -> (.., N, M)
+        for ax in (0, 1):                       # ggml broadcasts w's ne3/ne2 over x's: w row i//r for x row i
+            if w.shape[ax] != x.shape[ax]:      # (grouped-query attention: kv heads over query heads)
+                if w.shape[ax] == 0 or x.shape[ax] % w.shape[ax]:
+                    return None
+                w = np.repeat(w, x.shape[ax] // w.shape[ax], axis=ax)
         return np.matmul(x, np.swapaxes(w, -1, -2))
     if op in ("ADD", "MUL"):
         a, b = srcs[0], srcs[1]

@@ -8,6 +8,8 @@ Layers are assigned by data flow, never by position (adjacent layers' nodes inte
 The site: DESIGN.md's name where one exists (NODE_MAP, the one table), else the ggml op name with an ordinal from
 the second node of that op in the layer (`SSM_CONV`, `MUL_MAT#2`, `CONT#2`). Views, reshapes, permutes and
 transposes compute nothing and are not sites, except the B and C views of the x_proj output (DESIGN.md's B, C).
+NODE_MAP and LAYER_SITES are Mamba-1's; the layers of a Mamba-2 or hybrid graph are mapped by maps.py (GraphMap is
+given each layer's kind).
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from typing import Optional
 import numpy as np
 
 from .lib import GgmlTensor
+from .maps import design_site
 
 NO_COMPUTE = {"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "NONE"}
 DTYPES = {0: np.float32, 26: np.int32, 1: np.float16}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
-_CACHE = re.compile(r"cache_([rs])_l(\d+)")
+_CACHE = re.compile(r"cache_([rskv])_l(\d+)")      # recurrent r/s states; attention's KV cache k/v
 _SUFFIX = re.compile(r"^(norm|attn_norm|l_out)-(\d+)$")
 HEAD_NAMES = {"norm": "RMS_NORM", "result_norm": "final_norm", "result_output": "logits"}
 
@@ -112,8 +115,9 @@ def host_array(node: Node) -> np.ndarray:
 class GraphMap:
     """Maps the nodes of one ubatch graph as they are observed, in graph order (inputs before consumers)."""
 
-    def __init__(self, names: dict):
+    def __init__(self, names: dict, kinds: Optional[list] = None):
         self.names = names                  # address -> name of every tensor seen (weights included)
+        self.kinds = kinds or []            # per layer: maps.layer_kinds (none given: every layer Mamba-1)
         self.nodes: dict = {}               # address -> Node
         self.count: dict = {}               # (layer, op) -> nodes of that op so far
         self.roles: dict = {}               # address -> DESIGN site of already mapped nodes
@@ -139,6 +143,9 @@ class GraphMap:
         node.extra["weight"] = weight
         self.nodes[node.addr] = node
         op = node.op
+        kind = self.kind(node.layer)
+        if kind != "mamba1":                # maps.py: the layer types beyond Mamba-1
+            return self._add_other(node, weight, cache, kind)
         if op in NO_COMPUTE and op != "VIEW" or node.size == 0:
             return node
         site = self._design_site(node, weight, cache)
@@ -149,6 +156,24 @@ class GraphMap:
             node.site = site or (op if k == 1 else f"{op}#{k}")
             if site:
                 self.roles[node.addr] = site
+        return node
+
+    def kind(self, layer: Optional[int]) -> str:
+        return self.kinds[layer] if layer is not None and layer < len(self.kinds) else "mamba1"
+
+    def _add_other(self, node: Node, weight, cache, kind: str) -> Node:
+        """A node of a Mamba-2 or attention layer: every computing node counts for its op's ordinal, empty or not
+        (so a name means the same node in every ubatch); views are no sites there."""
+        op = node.op
+        if op in NO_COMPUTE:
+            return node
+        k = self.count[(node.layer, op)] = self.count.get((node.layer, op), 0) + 1
+        if node.size == 0:
+            return node
+        site = design_site(self, node, weight, cache, kind)
+        node.site = site or (op if k == 1 else f"{op}#{k}")
+        if site:
+            self.roles[node.addr] = site
         return node
 
     def _layer(self, node: Node):

@@ -3,6 +3,7 @@
 One context with n_seq_max = S state slots; each step is one `llama_batch` of S x T tokens, sequence-major, with
 n_ubatch = RunSettings.ubatch (llama.cpp's -ub), so llama.cpp's equal split makes exactly the ubatch compare asked
 for; the side checks that (one graph, its `inp_tokens` and its SSM_CONV's [T, S]) and refuses otherwise.
+Graphs of llama.cpp's `mamba`, `mamba2` and `granitehybrid` architectures (nodes.py, maps.py).
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from .reference import derived_sites
 from .local import OPS as LOCAL_OPS
 from .local import LocalErrors, path_of
 from .precision import judge, refine
+from .maps import LAYER_SITES as OTHER_SITES
+from .maps import NOT_OBSERVED, layer_kinds
 from .nodes import DTYPES, HEAD_SITES, LAYER_SITES, GraphMap, host_array, read_data, read_node
 
-# Tests inject faults here: fn(node, array, ubatch_index) is called in the observe call of every mapped node,
+# Tests inject faults here: fn(node, array, ubatch_index, first_seq) is called in the observe call of every mapped node,
 # before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes consume it.
 FAULT: Optional[Callable] = None
 _KEEP = []          # ctypes callbacks handed to the library live as long as the process
@@ -65,6 +68,7 @@ class LlamaCppSide:
         # on CUDA the local errors are what tells TF32 precision from a fault (precision.py): always measured there
         self.local = LocalErrors(s.k_floor) if s.local or s.device == "cuda" else None
         self._weights = {}
+        self.kinds = layer_kinds(self.cfg)
         self._observed = self.observed_sites()
         self._load()
 
@@ -93,7 +97,9 @@ class LlamaCppSide:
                                     "gguf": str(self.gguf),
                                     "op_offload": self._op_offload(),
                                     "n_gpu_layers": mp.n_gpu_layers, "n_threads": self._threads(),
-                                    "fp32_everywhere": self.fp32, "nodes": []})
+                                    "fp32_everywhere": self.fp32, "layer_kinds": list(self.kinds),
+                                    **({"kv_cache": "f32", "flash_attn": False} if "attention" in self.kinds
+                                       else {}), "nodes": []})
 
     def _label(self) -> str:
         return (f"llama.cpp {self.s.device.upper()} build {self.lib.path} ({self.lib.version}), "
@@ -118,6 +124,9 @@ class LlamaCppSide:
         cp.n_threads = cp.n_threads_batch = self._threads()
         cp.op_offload = self._op_offload()
         cp.no_perf = True
+        if "attention" in self.kinds:       # an f32 KV cache (llama.cpp's default f16 one alone costs ~3e-4), read
+            cp.type_k = cp.type_v = 0       # as f32: flash attention would cast K and V to f16 (llama-graph.cpp)
+            cp.flash_attn_type = 0          # LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._cb = EvalCallback(self._eval)
         _KEEP.append(self._cb)
         cp.cb_eval = ctypes.cast(self._cb, ctypes.c_void_p)
@@ -140,15 +149,26 @@ class LlamaCppSide:
         if first_seq == 0:
             self._history = []
 
+    def _mapped(self, i: int) -> tuple:
+        """Layer i's sites that llama.cpp has a node for, in its graph order."""
+        kind = self.kinds[i]
+        return LAYER_SITES if kind == "mamba1" else tuple(s for s in OTHER_SITES[kind] if s not in NOT_OBSERVED)
+
     def observed_sites(self) -> frozenset:
-        return frozenset([(i, s) for i in range(self.cfg.n_layer) for s in LAYER_SITES] +
+        return frozenset([(i, s) for i in range(self.cfg.n_layer) for s in self._mapped(i)] +
                          [(None, s) for s in HEAD_SITES])
 
     def layer_sites(self) -> list:
-        """Every layer's sites in llama.cpp's graph order, with the reference's sites llama.cpp lacks in place."""
-        order = list(LAYER_SITES)
-        order.insert(order.index("y_gated"), "gate")
-        return [tuple(order)] * self.cfg.n_layer
+        """Each layer's own sites in llama.cpp's graph order, with the reference's sites llama.cpp lacks in place."""
+        out = []
+        for kind in self.kinds:
+            if kind == "mamba1":
+                order = list(LAYER_SITES)
+                order.insert(order.index("y_gated"), "gate")
+                out.append(tuple(order))
+            else:
+                out.append(OTHER_SITES[kind])
+        return out
 
     def step(self, tokens: torch.Tensor) -> StepOutput:
         self.u += 1
@@ -167,16 +187,16 @@ class LlamaCppSide:
         self._history.append((self.first_seq, tokens, logits, time.perf_counter() - t0))
         try:
             sites = self._sites(g, tokens.shape[0], tokens.shape[1], logits)
-        except ValueError as exc:       # a node of another shape than the Mamba-1 graph this map reads
+        except ValueError as exc:       # a node of another shape than the graph this map reads
             raise MambaDebugError(f"{self.lib.path}: a node of ubatch {self.u} does not have the shape the node map "
                                   f"expects for [T, S] = [{tokens.shape[1]}, {tokens.shape[0]}] ({exc}); is this "
-                                  f"a Mamba-1 graph of llama.cpp 0c1e570?") from exc
+                                  f"a {'/'.join(sorted(set(self.kinds)))} graph of llama.cpp 0c1e570?") from exc
         return StepOutput(logits, sites)
 
     def reference_sites(self, sites: dict, tokens: torch.Tensor) -> dict:
         """What this side's op-named nodes should hold, from a reference side's sites of the same ubatch."""
         prev = self._prev_conv.setdefault(sites[(None, "logits")][0].dtype, {})   # one per reference side
-        return derived_sites(sites, tokens, self.model.params, self.cfg, prev)
+        return derived_sites(sites, tokens, self.model.params, self.cfg, prev, self.kinds)
 
     def observer_effect(self) -> dict:
         """The whole schedule again from empty states with nothing observed (the callback answers no to every ask):
@@ -302,12 +322,13 @@ class LlamaCppSide:
         if ask:
             return bool(self.tracing)
         try:
-            if not self.graphs or GgmlTensor.from_address(t).name == b"embd":   # first node of every graph
-                self.graphs.append({"map": GraphMap(self.names), "data": {}, "n": 0})
+            embedding = _is_embedding(self.lib, t)
+            if not self.graphs or embedding:        # the token embedding's GET_ROWS is the first node of every graph
+                self.graphs.append({"map": GraphMap(self.names, self.kinds), "data": {}, "n": 0})
             g = self.graphs[-1]
             node = g["map"].add(read_node(self.lib, t, g["n"]))
             g["n"] += 1
-            if node.name == "embd" and len(node.src) > 1:
+            if embedding:
                 src = read_node(self.lib, node.src[1], -1)
                 g["tokens"] = read_data(self.lib, src).reshape(-1).copy()
             if node.op == "SSM_CONV":
@@ -367,23 +388,33 @@ class LlamaCppSide:
         c = self.cfg
         out = {}
         for (layer, site), a in g["data"].items():
+            m2 = self.kinds[layer].startswith("mamba2") if layer is not None else False
+            ch = c.conv_dim if m2 else c.d_inner       # conv channels: xBC for Mamba-2, x for Mamba-1
             if site == "y_scan":
                 v = a.reshape(-1)[:S * T * c.d_inner].reshape(S, T, c.d_inner)
             elif site == "conv_state":
-                v = a.reshape(S, c.d_inner, c.d_conv - 1).transpose(0, 2, 1)
+                v = a.reshape(S, ch, c.d_conv - 1).transpose(0, 2, 1)
             elif site == "ssm_state":
-                v = a.reshape(S, c.d_inner, c.d_state)
-            elif site == "GET_ROWS":            # the prior conv state of each sequence, at every token
-                v = a.reshape(S, 1, c.d_inner, c.d_conv - 1).transpose(0, 1, 3, 2).reshape(S, 1, -1)
-                v = np.broadcast_to(v, (S, T, v.shape[-1]))
+                v = a.reshape(S, c.n_heads, c.head_dim, c.d_state) if m2 else a.reshape(S, c.d_inner, c.d_state)
+            elif site == "GET_ROWS" and (layer is None or self.kinds[layer] != "attention"):
+                v = a.reshape(S, 1, ch, c.d_conv - 1).transpose(0, 1, 3, 2).reshape(S, 1, -1)
+                v = np.broadcast_to(v, (S, T, v.shape[-1]))     # the prior conv state of each sequence, every token
             elif site == "CONCAT":              # at token t: the K rows of the window the conv reads for t
-                w = np.lib.stride_tricks.sliding_window_view(a.reshape(S, c.d_inner, -1), c.d_conv, axis=-1)
+                w = np.lib.stride_tricks.sliding_window_view(a.reshape(S, ch, -1), c.d_conv, axis=-1)
                 v = w.transpose(0, 2, 3, 1).reshape(S, T, -1)
             else:
                 v = a.reshape(S, T, -1)
             out[(layer, site)] = (torch.from_numpy(np.array(v)), site not in ("conv_state", "ssm_state"))
         out[(None, "logits")] = (logits, True)
         return out
+
+
+def _is_embedding(lib, addr: int) -> bool:
+    """The GET_ROWS of the token embedding: `embd` in Mamba-1's graph, unnamed in Granite's (which scales it into
+    `embd` next)."""
+    src = GgmlTensor.from_address(addr).src[0]
+    return bool(src) and GgmlTensor.from_address(src).name == b"token_embd.weight" and \
+        lib.ggml_op_desc(addr) == b"GET_ROWS"
 
 
 def _fp32_everywhere(s: RunSettings) -> dict:
