@@ -36,6 +36,15 @@ def test_roundtrip(tmp_path, seed):
     assert md.load_model(tmp_path / "m.gguf").config == back.config
 
 
+def test_hybrid_expand_other_than_two_is_refused_clearly(tmp_path):
+    """llama.cpp's granitehybrid graph asserts d_inner == 2 * n_embd and aborts the process otherwise."""
+    wide = hybrid_model(7, expand=4)
+    assert wide.config.d_inner == 4 * wide.config.d_model
+    with pytest.raises(MambaDebugError, match="expand 2 only"):
+        export_gguf(wide, tmp_path / "w.gguf")
+    assert not (tmp_path / "w.gguf").exists()
+
+
 def test_biases_are_refused_clearly(tmp_path):
     with pytest.raises(MambaDebugError, match="biases"):
         export_gguf(hybrid_model(attn_bias=True), tmp_path / "h.gguf")

@@ -67,6 +67,10 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
     if set(c.layer_types) == {"mamba1"}:
         return gguf1.export_gguf(model, out_path, dtype)
     hybrid = "attention" in c.layer_types or c.d_ff > 0
+    if hybrid and c.d_inner != 2 * c.d_model:       # granite-hybrid.cpp: GGML_ASSERT(2 * n_embd == d_inner)
+        raise MambaDebugError(f"{model.source or 'this model'} has d_inner {c.d_inner} = {c.d_inner / c.d_model:g} x "
+                              f"d_model; llama.cpp's granitehybrid graph supports expand 2 only (it aborts loading "
+                              f"anything else), so it cannot be written as a llama.cpp GGUF")
     if c.proj_bias or c.attn_bias or c.mlp_bias:
         raise MambaDebugError(f"{model.source or 'this model'} has projection biases; llama.cpp's Mamba-2 / "
                               f"granitehybrid graphs have no place for them")
