@@ -43,6 +43,9 @@ def test_hybrid_expand_other_than_two_is_refused_clearly(tmp_path):
     with pytest.raises(MambaDebugError, match="expand 2 only"):
         export_gguf(wide, tmp_path / "w.gguf")
     assert not (tmp_path / "w.gguf").exists()
+    no_attention = hybrid_model(7, layer_types=("mamba2",) * 4)
+    with pytest.raises(MambaDebugError, match="no attention layer"):
+        export_gguf(no_attention, tmp_path / "n.gguf")
 
 
 def test_biases_are_refused_clearly(tmp_path):

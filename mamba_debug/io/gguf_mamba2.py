@@ -71,6 +71,10 @@ def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
         raise MambaDebugError(f"{model.source or 'this model'} has d_inner {c.d_inner} = {c.d_inner / c.d_model:g} x "
                               f"d_model; llama.cpp's granitehybrid graph supports expand 2 only (it aborts loading "
                               f"anything else), so it cannot be written as a llama.cpp GGUF")
+    if hybrid and "attention" not in c.layer_types:  # llama-memory-hybrid: an empty KV cache fails GGML_ASSERT(buffer)
+        raise MambaDebugError(f"{model.source or 'this model'} is a hybrid with no attention layer; llama.cpp's "
+                              f"granitehybrid graph then allocates an empty KV cache and aborts, so it cannot be "
+                              f"written as a llama.cpp GGUF")
     if c.proj_bias or c.attn_bias or c.mlp_bias:
         raise MambaDebugError(f"{model.source or 'this model'} has projection biases; llama.cpp's Mamba-2 / "
                               f"granitehybrid graphs have no place for them")
