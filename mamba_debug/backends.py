@@ -53,11 +53,13 @@ def _where(device: torch.device) -> str:
     return "CPU" if device.type == "cpu" else f"GPU ({device})"
 
 
-def device_backend(kernels: str | None = "triton", device: str | None = None, uses=None) -> Backend:
+def device_backend(kernels: str | None = "triton", device: str | None = None, uses=None,
+                   slot: str | None = None) -> Backend:
     """uses: the op names the model calls (`arch.model_ops`); the label then names only the plug-in's ops among
-    them (the default plug-in also carries Mamba-2's ops, which a Mamba-1 run never calls)."""
+    them (the default plug-in also carries Mamba-2's ops, which a Mamba-1 run never calls). slot: one device of a
+    split placement (`cuda:1`, or `cpu` for a CPU stand-in), its tensors on that torch device."""
     device = resolve_device(device)
-    torch_device = torch.device("cuda" if device == "cuda" else "cpu")
+    torch_device = torch.device(slot if slot is not None else "cuda" if device == "cuda" else "cpu")
     ops = dict(TORCH_OPS)
     supports_states_out = True
     if kernels in (None, "torch"):
@@ -67,11 +69,24 @@ def device_backend(kernels: str | None = "triton", device: str | None = None, us
         ops.update(plugin.ops)
         supports_states_out = plugin.supports_states_out
         name, overridden = plugin.name, sorted(op for op in plugin.ops if uses is None or op in uses)
-    where = {"cuda": f"compiled for {torch.cuda.get_device_name() if device == 'cuda' else ''}",
+    where = {"cuda": f"compiled for {torch.cuda.get_device_name(torch_device) if device == 'cuda' else ''}",
              "interpret": "under Triton's interpreter on the CPU", "cpu": "on the CPU"}[device]
     what = f"kernels '{name}' ({', '.join(overridden)}; other ops torch)" if overridden else "torch ops"
     return Backend(f"device:{name}", OpTable(name, ops, supports_states_out), torch.float32, torch_device,
                    f"device {device}: float32 {what} {where}".replace("  ", " "))
+
+
+def device_backends(kernels: str | None, device: str | None, devices=None, uses=None) -> list:
+    """One device back-end per device slot of the placement (one unless --devices lists several); the same plug-in
+    for each. With several slots the label names them, and `transfer` counts among the ops the model calls."""
+    if not devices:
+        return [device_backend(kernels, device, uses)]
+    uses = None if uses is None else tuple(uses) + ("transfer",) * (len(devices) > 1)
+    out = [device_backend(kernels, device, uses, slot=name) for name in devices]
+    if len(devices) > 1:
+        for b in out:
+            b.label = f"{b.label}, split over {len(devices)} devices ({', '.join(devices)})"
+    return out
 
 
 @contextlib.contextmanager

@@ -64,9 +64,19 @@ def _str_list(text: str) -> list:
     return [x for x in text.split(",") if x]
 
 
+def _float_list(text: str) -> list:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 3,1, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty list; give e.g. 3,1")
+    return out
+
+
 def _parser_for(kind: str, flag: str):
     return {"nonneg": _int_at_least(flag, 0), "positive": _int_at_least(flag, 1), "float": float, "int": int,
-            "n_gen": _n_gen, "int_list": _int_list, "str_list": _str_list}[kind]
+            "n_gen": _n_gen, "int_list": _int_list, "str_list": _str_list, "float_list": _float_list}[kind]
 
 
 # -- flags from RunSettings ------------------------------------------------------------------------
@@ -226,7 +236,7 @@ def cmd_sweep(args) -> int:
     workers = auto_workers(model, args.device) if args.workers is None else args.workers
     try:
         sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches),
-                       _int_list(args.n_seqs_list), workers=workers)
+                       _int_list(args.n_seqs_list), workers=workers, ray=args.ray)
     except Interrupted as stop:                # keep the finished cells, in a file of their own
         return _keep_partial(args, "sweep", stop)
     ubs = sw["ubatches"]
@@ -242,7 +252,8 @@ def cmd_sweep(args) -> int:
             print(f"{o:7d} " + "".join(f"{x:>12s}" for x in row))
     shared = sorted({(c["offload"], c["same_run_as"]) for c in sw["cells"] if "same_run_as" in c})
     runs = len(sw["cells"]) - sum(1 for c in sw["cells"] if "same_run_as" in c)
-    print(f"{len(sw['cells'])} cells from {runs} runs in {sw['seconds']:.1f} s ({sw['workers']} process(es))"
+    how = f"Ray at {sw['ray']}" if sw.get("ray") else f"{sw['workers']} process(es)"
+    print(f"{len(sw['cells'])} cells from {runs} runs in {sw['seconds']:.1f} s ({how})"
           + "".join(f"; offload {o} is the run of offload {r} (the head's placement changes no bit here)"
                     for o, r in shared))
     if args.json:
@@ -352,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-seqs-list", default="1", help="sequence counts (default 1)")
     p.add_argument("--workers", type=_int_at_least("--workers", 1), default=None,
                    help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="each cell a Ray task: on the cluster at ADDRESS (auto: the running one), or on a Ray "
+                        "started here when no ADDRESS is given (pip install ray)")
     _run_command(sub, "bisect", cmd_bisect, "find the first bad layer by moving the offload boundary")
     p = _run_command(sub, "export-case", cmd_export_case,
                      "write a divergent layer's real op inputs and a replay pytest", ())

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .arch import model_ops
-from .backends import cpu_backend, cpu_threads_for, device_backend, reference_backend
+from .backends import cpu_backend, cpu_threads_for, device_backends, reference_backend
 from .budget import check_budget, check_gpu_memory, check_host_memory
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .model import Model, Runner, check_tokens
@@ -104,7 +104,9 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
     to_host = s.ref_device == "cpu"
     host = cpu_backend(ref_device)
     ref64_backend = reference_backend(ref_device)
-    dev = device_backend(s.kernels, s.device, uses=model_ops(model.config)) if s.engine == "torch" else None
+    devs = device_backends(s.kernels, s.device, s.devices, uses=model_ops(model.config)) if s.engine == "torch" \
+        else None
+    dev = devs[0] if devs else None
     info = lambda name, b, device: SideInfo(name, b.label, None if name in ("ref32", "ref64") else s.kernels,  # noqa
                                             device)
     ref_is_64 = s.reference_is_float64
@@ -118,7 +120,7 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
         from .sides.llamacpp import LlamaCppSide  # noqa: PLC0415 (ctypes and a library: only when asked for)
         sides["device"] = LlamaCppSide(model, s)
         return sides
-    placed = lambda: Runner(model, host, dev, placement)  # noqa: E731
+    placed = lambda: Runner(model, host, devs, placement)  # noqa: E731
     sides["device"] = TorchSide(info("device", dev, s.device), model, placed(), to_host=to_host,
                                 prefix_from=sides["ref32"])
     if s.repeat > 1:

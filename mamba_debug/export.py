@@ -18,7 +18,7 @@ import torch
 
 from . import ops as ops_module
 from .arch import model_ops
-from .backends import cpu_backend, device_backend
+from .backends import cpu_backend, device_backends
 from .compare import run_compare
 from .errors import MambaDebugError
 from .model import Model, Runner
@@ -71,11 +71,12 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
         layer = fd["layer"]
     s = res.settings                                        # validated: the device that really ran
     device = s.device
-    dev = device_backend(s.kernels, device, uses=model_ops(model.config))
+    devs = device_backends(s.kernels, device, s.devices, uses=model_ops(model.config))
+    dev = devs[0]
     overridden = sorted(k for k, f in dev.ops.ops.items() if hasattr(f, "__wrapped__")) or list(dev.ops.ops)
     rec = _Recorder(layer, fd["ubatch"], set(overridden))
     host = cpu_backend(resolve_ref_device(s.ref_device))    # the host blocks where the comparison ran them
-    runner = Runner(model, host, dev, res.placement, observer=rec)
+    runner = Runner(model, host, devs, res.placement, observer=rec)
     tokens = res.tokens
     runner.reset(tokens.shape[0])
     pos = 0

@@ -12,6 +12,7 @@ What the outside sees goes through one `Observer` (every method optional):
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -105,6 +106,13 @@ def check_tokens(tokens, vocab_size: int) -> torch.Tensor:
     return tokens.long()
 
 
+def _on(device: torch.device):
+    """A block's ops run with its GPU current (Triton launches on the current device); nothing for the CPU."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 class _ObservedOps:
     """An op table that tells the observer about every call of one layer (export-case records them)."""
 
@@ -125,17 +133,24 @@ class _ObservedOps:
 class Runner:
     """One placed execution of a model: host back-end below the boundary, device back-end from it on."""
 
-    def __init__(self, model: Model, host: Backend, device: Optional[Backend] = None,
+    def __init__(self, model: Model, host: Backend, device=None,
                  placement: Optional[Placement] = None, observer=None):
+        """device: one Backend, or one per device slot of the placement (--devices)."""
         cfg = model.config
         self.model, self.cfg = model, cfg
         self.placement = placement or Placement(cfg.n_layer, 0)
         if self.placement.n_device_layers or self.placement.head_on_device:
             if device is None:
                 raise MambaDebugError("a placement with offloaded layers needs a device back-end")
-        self.host, self.device = host, device or host
-        self.layer_backends = [self.device if self.placement.on_device(i) else host for i in range(cfg.n_layer)]
-        self.head_backend = self.device if self.placement.head_on_device else host
+        self.devices = list(device) if isinstance(device, (list, tuple)) else [device or host]
+        if len(self.devices) != self.placement.n_slots:
+            raise MambaDebugError(f"the placement has {self.placement.n_slots} device slot(s) but the runner got "
+                                  f"{len(self.devices)} device back-end(s)")
+        self.host, self.device = host, self.devices[0]
+        self.layer_slots = self.placement.layer_slots
+        self.head_slot = self.placement.head_slot
+        self.layer_backends = [host if k is None else self.devices[k] for k in self.layer_slots]
+        self.head_backend = host if self.head_slot is None else self.devices[self.head_slot]
         self.layer_types = [layer_type(cfg, i) for i in range(cfg.n_layer)]
         self.layer_weights = [self._layer_weights(model.weights(b), i) for i, b in enumerate(self.layer_backends)]
         self.observer = observer
@@ -189,13 +204,25 @@ class Runner:
         if start == 0:
             h = self.embed(tokens)
         before = getattr(self.observer, "before_layer", None)
+        src = self.layer_slots[start - 1] if start > 0 else None     # the device slot h comes from (None: host)
         for i in range(start, self.cfg.n_layer):
-            b = self.layer_backends[i]
-            h = h.to(device=b.device, dtype=b.dtype)                                   # boundary crossing
+            b, dst = self.layer_backends[i], self.layer_slots[i]
+            h = self._cross(h, src, dst, b)                                            # boundary crossing
             if before is not None:
                 h, self.states[i] = before(i, h, self.states[i])
-            h = self.layer_types[i].layer(self._context(i, b), h)
-        return self._head(h, tokens.shape[1])
+            with _on(b.device):
+                h = self.layer_types[i].layer(self._context(i, b), h)
+            src = dst
+        return self._head(h, tokens.shape[1], src)
+
+    @staticmethod
+    def _cross(h: torch.Tensor, src: Optional[int], dst: Optional[int], b: Backend) -> torch.Tensor:
+        """The hidden state into block (or head) on back-end b: from one device slot to another it is the receiving
+        back-end's `transfer` op (a plug-in may override it); host | device stays a plain cast."""
+        if src is not None and dst is not None and src != dst:
+            with _on(b.device):
+                return b.ops.transfer(h, b.device)
+        return h.to(device=b.device, dtype=b.dtype)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """get_rows on the host, times the config's embedding multiplier (Granite) when it is not 1."""
@@ -210,13 +237,14 @@ class Runner:
                             want_states_out=self._on_site is not None and b.ops.supports_states_out,
                             dtype=b.dtype, device=b.device)
 
-    def _head(self, h: torch.Tensor, T: int) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, T: int, src: Optional[int] = None) -> torch.Tensor:
         b = self.head_backend
-        h = h.to(device=b.device, dtype=b.dtype)
+        h = self._cross(h, src, self.head_slot, b)
         w = self.model.weights(b)
-        final = b.ops.rms_norm(h, w["norm_f"], self.cfg.rms_eps)
-        self._site(None, MODEL_SITES[0], final)
-        logits = b.ops.linear(final, w["lm_head"])
+        with _on(b.device):
+            final = b.ops.rms_norm(h, w["norm_f"], self.cfg.rms_eps)
+            self._site(None, MODEL_SITES[0], final)
+            logits = b.ops.linear(final, w["lm_head"])
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
         self._site(None, MODEL_SITES[1], logits)

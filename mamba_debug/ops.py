@@ -13,7 +13,8 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-OP_NAMES = ("rms_norm", "linear", "silu", "ssm_conv", "ssm_scan", "ssd_scan", "rms_norm_gated", "attention")
+OP_NAMES = ("rms_norm", "linear", "silu", "ssm_conv", "ssm_scan", "ssd_scan", "rms_norm_gated", "attention",
+            "transfer")
 
 # softplus switches to the identity above this dt, as llama.cpp and the reference Triton kernels do.
 SOFTPLUS_THRESHOLD = 20.0
@@ -159,6 +160,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sca
     return torch.einsum("shtj,sjhd->sthd", torch.softmax(scores, dim=-1), v)
 
 
+def transfer(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The hand-off between two devices of a split placement: x [S, T, E] (the hidden state) as a new tensor on
+    `device`, same shape and dtype. Called by the receiving device's op table at each device boundary (never at the
+    host | device one); a copy even where both are the same torch device (CPU stand-ins)."""
+    return x.to(device=device, copy=True)
+
+
 def output_contract(op: str, args: tuple) -> list:
     """Each output's expected (shape, dtype, device), from an op's inputs: what a plug-in's op must return."""
     if op in ("rms_norm", "silu", "rms_norm_gated"):
@@ -170,6 +178,9 @@ def output_contract(op: str, args: tuple) -> list:
     if op == "attention":
         q, v = args[0], args[2]
         return [(q.shape[:-1] + v.shape[-1:], q.dtype, q.device)]
+    if op == "transfer":
+        x = args[0]
+        return [(x.shape, x.dtype, torch.device(args[1]))]
     if op in ("ssm_conv", "ssm_scan", "ssd_scan"):
         state, x = args[0], args[1]
         return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
@@ -178,7 +189,7 @@ def output_contract(op: str, args: tuple) -> list:
 
 TORCH_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm, "linear": linear, "silu": silu, "ssm_conv": ssm_conv, "ssm_scan": ssm_scan,
-    "ssd_scan": ssd_scan, "rms_norm_gated": rms_norm_gated, "attention": attention,
+    "ssd_scan": ssd_scan, "rms_norm_gated": rms_norm_gated, "attention": attention, "transfer": transfer,
 }
 
 
@@ -207,6 +218,8 @@ def example_inputs(op: str, *, S: int = 2, T: int = 16, D: int = 64, N: int = 8,
         return r(S, T, D), r(N, D) / D ** 0.5
     if op == "silu":
         return (r(S, T, D),)
+    if op == "transfer":
+        return r(S, T, D), torch.device("cpu")
     raise KeyError(f"no example inputs for op {op!r}; ops: {OP_NAMES}")
 
 

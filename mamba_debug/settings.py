@@ -82,11 +82,18 @@ class RunSettings:
     fp32_everywhere: bool = field(default=False, metadata=_flag(
         "--engine llama.cpp: set every switch that keeps float32 paths in FP32 (NVIDIA_TF32_OVERRIDE=0, ...)",
         parse="store_true"))
+    devices: Optional[tuple] = field(default=None, metadata=_flag(
+        "several devices in order, e.g. cuda:0,cuda:1 (llama.cpp's --split-mode layer): the offloaded blocks are "
+        "split over them, the head on the last; cpu,cpu are CPU stand-ins (--device interpret or cpu)",
+        parse="str_list"))
+    tensor_split: Optional[tuple] = field(default=None, metadata=_flag(
+        "like --tensor-split: each device's share of the offloaded blocks, e.g. 3,1 (default: equal shares)",
+        parse="float_list"))
     free_run: bool = True                # also let the device side generate on its own (text view); no flag
 
     def __post_init__(self):
         # lists given by callers become tuples: the settings must stay hashable
-        for name in ("capture_layers", "capture_sites"):
+        for name in LIST_FIELDS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -127,13 +134,15 @@ class RunSettings:
             raise MambaDebugError(f"k_floor must be > 1 (a multiple of the rounding floor), got {self.k_floor}")
         offload = cfg.n_layer + 1 if self.offload is None else self.offload   # beyond the blocks: all (-ngl 99)
         device = (self.device or "cpu") if self.engine == "llama.cpp" else resolve_device(self.device)
-        out = dataclasses.replace(self, offload=offload, device=device)
-        out.placement(cfg.n_layer)          # checks offload and rule
+        devices = resolve_devices(self.devices, device, self.engine)
+        out = dataclasses.replace(self, offload=offload, device=device, devices=devices)
+        out.placement(cfg.n_layer)          # checks offload, rule and the split
         return out
 
     def placement(self, n_layer: int) -> Placement:
         """The one place a Placement is made (offload None: every block and the head)."""
-        return Placement(n_layer, n_layer + 1 if self.offload is None else self.offload, self.rule)
+        return Placement(n_layer, n_layer + 1 if self.offload is None else self.offload, self.rule,
+                         self.devices or (), self.tensor_split or ())
 
     def ubatch_per_seq(self, n_seqs: Optional[int] = None) -> int:
         """Tokens of each sequence in one ubatch: llama.cpp's equal split of -ub over the sequences."""
@@ -158,11 +167,13 @@ class RunSettings:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for name in ("capture_layers", "capture_sites"):
+        for name in LIST_FIELDS:
             if d[name] is not None:
                 d[name] = list(d[name])
         return d
 
+
+LIST_FIELDS = ("capture_layers", "capture_sites", "devices", "tensor_split")
 
 # The name callers used before the restructure.
 CompareSettings = RunSettings
@@ -178,6 +189,51 @@ def resolve_device(device: Optional[str]) -> str:
         raise MambaDebugError("device 'cuda' was asked for but torch sees no GPU; use --device interpret to run "
                               "the same Triton kernels under Triton's interpreter on the CPU")
     return device
+
+
+def resolve_devices(devices: Optional[tuple], device: str, engine: str = "torch") -> Optional[tuple]:
+    """--devices against the device side: cuda:N entries (N below torch's GPU count) for --device cuda, CPU
+    stand-ins (`cpu`) for interpret and cpu, whose kernels take CPU tensors. `cuda` alone is cuda:0."""
+    if devices is None:
+        return None
+    if not devices:
+        raise MambaDebugError("--devices names nothing; give e.g. --devices cuda:0,cuda:1 or leave it out")
+    names = tuple(_device_name(d) for d in devices)
+    if engine == "llama.cpp":
+        if device == "cpu" and len(names) > 1:
+            raise MambaDebugError(f"--devices {','.join(names)}: llama.cpp's CPU build runs every layer on the CPU; "
+                                  f"a split over several GPUs needs --device cuda and a CUDA build with that many "
+                                  f"GPUs (--llama-lib)")
+        bad = [n for n in names if not n.startswith("cuda:")]
+        if bad and len(names) > 1:
+            raise MambaDebugError(f"--devices {','.join(names)}: with --engine llama.cpp every device is a GPU of "
+                                  f"the build, cuda:N (not {', '.join(bad)})")
+        return names
+    if device == "cuda":
+        count = torch.cuda.device_count()
+        for n in names:
+            if not n.startswith("cuda:") or int(n[5:]) >= count:
+                raise MambaDebugError(f"--devices {','.join(names)}: {n} is not one of this machine's {count} "
+                                      f"GPU(s) (cuda:0..cuda:{count - 1}); with --device cuda list cuda:N devices")
+        return names
+    bad = [n for n in names if n != "cpu"]
+    if bad:
+        raise MambaDebugError(f"--devices {','.join(names)}: the device side runs on the CPU here (--device "
+                              f"{device}), so every device must be a CPU stand-in: --devices cpu,cpu (or --device "
+                              f"cuda for {', '.join(bad)})")
+    return names
+
+
+def _device_name(d) -> str:
+    name = str(d).strip().lower()
+    if name == "cuda":
+        return "cuda:0"
+    if name.startswith("cuda:") and not name[5:].isdigit():
+        raise MambaDebugError(f"--devices: {d!r} is not a device name; give cuda:N (e.g. cuda:0,cuda:1) or cpu")
+    if name != "cpu" and not name.startswith("cuda:"):
+        raise MambaDebugError(f"--devices: unknown device {d!r}; give cuda:N (e.g. cuda:0,cuda:1) or cpu (a CPU "
+                              f"stand-in)")
+    return name
 
 
 def resolve_ref_device(name: str) -> torch.device:

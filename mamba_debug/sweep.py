@@ -35,11 +35,13 @@ def sweep_cell(res) -> dict:
 
 def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[Iterable[int]] = None,
               ubatches: Iterable[int] = (1, 2, 8, 32), n_seqs_list: Iterable[int] = (1,), progress=True,
-              workers: int = 1) -> dict:
+              workers: int = 1, ray: Optional[str] = None) -> dict:
     """Matrix of first divergence (token, layer) and KLD for every (n_seqs, ubatch, offload).
 
     workers > 1 runs cells in that many processes (each reloads the model from its path and keeps its own
-    reference cache): worth it where the device side is the single-threaded Triton interpreter."""
+    reference cache): worth it where the device side is the single-threaded Triton interpreter.
+    ray: each cell a Ray task, on the cluster at that address ("auto": the running one) or, "local", on a Ray
+    started here (one CPU, or the GPUs of the split, per task); an already initialised Ray is used as it is."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     L = model.config.n_layer
@@ -53,12 +55,14 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
         jobs.sort(key=lambda j: -_cost(j, L, len(prompt_ids)))
     t0 = time.perf_counter()
     bar = tqdm(total=len(jobs), desc="sweep", disable=not progress, unit="run")
-    if workers > 1 and not _reloadable(model):
+    if (workers > 1 or ray is not None) and not _reloadable(model):
         raise MambaDebugError("a parallel sweep reloads the model in each worker, so it needs a model loaded from a "
                               "path (md.load_model); use workers=1 for a model built in memory")
     cells: list = []
     try:
-        if workers > 1:
+        if ray is not None:
+            _on_ray(ray, model.source, list(prompt_ids), jobs, bar, cells)
+        elif workers > 1:
             _parallel(model.source, list(prompt_ids), jobs, workers, bar, cells)
         else:
             cache: dict = {}
@@ -70,12 +74,13 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
         bar.close()
         part = _grid_cells(grid, runs, cells, L, base, partial=True) | {
             "offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
-            "incomplete": True, "seconds": time.perf_counter() - t0, "workers": workers}
+            "incomplete": True, "seconds": time.perf_counter() - t0, "workers": workers,
+            **({"ray": ray} if ray is not None else {})}
         raise Interrupted(part, f"{part['cells_done']} of {part['cells_total']} cells finished") from None
     bar.close()
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
             "cells": _grid_cells(grid, runs, cells, L, base)["cells"], "seconds": time.perf_counter() - t0,
-            "workers": workers}
+            "workers": workers, **({"ray": ray} if ray is not None else {})}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -115,9 +120,13 @@ def _runs_for(model: Model, base: RunSettings, offloads: list) -> dict:
         return {o: o for o in offloads}
     L, by_blocks = model.config.n_layer, {}
     place = lambda o: base.replace(offload=o).placement(L)  # noqa: E731
+    # the same blocks on the same device slots (with --devices the split moves with the offload, so the count alone
+    # is not enough), and no device boundary at the head (a plug-in's transfer there would change bits)
+    crosses = lambda o: L in place(o).device_boundaries  # noqa: E731
     for o in sorted(offloads, key=lambda o: (not place(o).head_on_device, o)):
-        by_blocks.setdefault(place(o).n_device_layers, o)
-    return {o: by_blocks[place(o).n_device_layers] for o in offloads}
+        if not crosses(o):
+            by_blocks.setdefault(place(o).layer_slots, o)
+    return {o: o if crosses(o) else by_blocks[place(o).layer_slots] for o in offloads}
 
 
 def _same_as(cell: dict, offload: int, n_layer: int, base: RunSettings) -> dict:
@@ -191,6 +200,35 @@ def _parallel(source, prompt_ids, jobs, workers, bar, cells: list) -> list:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_before
+    return cells
+
+
+def _on_ray(address: str, source, prompt_ids, jobs, bar, cells: list) -> list:
+    """Each cell a Ray task (`_worker_cell`: the worker reloads the model from its path, which every machine must
+    reach, and keeps it and its reference cache between tasks). Results in grid order, as the serial sweep's."""
+    try:
+        import ray  # noqa: PLC0415
+    except ImportError:
+        raise MambaDebugError("--ray needs Ray: pip install ray (on every machine of the cluster)") from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=None if address == "local" else address, include_dashboard=False, log_to_driver=False)
+    refs: list = []
+    try:
+        for s in jobs:
+            gpus = (len(s.devices) if s.devices else 1) if resolve_device(s.device) == "cuda" else 0
+            task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0)(_worker_cell)
+            refs.append(task.remote(source, prompt_ids, s))
+        for r in refs:
+            cells.append(ray.get(r))
+            bar.update()
+    except BaseException:
+        for r in refs[len(cells):]:
+            ray.cancel(r, force=True)
+        raise
+    finally:
+        if started:
+            ray.shutdown()
     return cells
 
 

@@ -186,7 +186,8 @@ def save_trace(res: CompareResult, path) -> Path:
             "sides": {k: dataclasses.asdict(v) for k, v in res.sides.items()},
             "layer_sites": [list(s) for s in res.layer_sites],
             "observed": {side: sorted(_key(k) for k in keys) for side, keys in res.observed.items()},
-            "placement": [res.placement.n_layer, res.placement.offload, res.placement.rule],
+            "placement": [res.placement.n_layer, res.placement.offload, res.placement.rule]
+            + ([list(res.placement.devices), list(res.placement.tensor_split)] if res.placement.devices else []),
             "n_prompt": res.n_prompt, "token_info": [t.__dict__ for t in res.token_info],
             "thresholds": {_key(k): v for k, v in res.thresholds.items()},
             "trace_tokens": {_key(k): v for k, v in res.trace_tokens.items()},

@@ -70,6 +70,8 @@ _REF_CACHES: dict = {}   # one shared reference cache per model: the reference s
 
 
 def _compare(kernels: str, settings: dict, *, n_gen=4, prompt_len=40, repeat=1, dt_bias=None, arch="mamba1"):
+    if DEVICE == "cuda" and settings.get("devices"):    # the CPU stand-ins of a split become slots on one GPU
+        settings = {**settings, "devices": ["cuda:0"] * len(settings["devices"])}
     s = CompareSettings(**{"n_gen": n_gen, "repeat": repeat, **settings, "kernels": kernels, "device": DEVICE,
                            "capture": "metrics", "free_run": False})
     t0 = time.perf_counter()

@@ -45,6 +45,7 @@ NAN_INF = "#000000"        # black: NaN or Inf on the device side
 NOT_RUN = "#f2f2f2"        # light grey (dotted): this token / layer / configuration was not run
 FIRST_DIV = "#000000"      # the first-divergence marker (a black ring)
 BOUNDARY = "#7b3294"       # the offload boundary (host | device)
+DEVICE_BOUNDARY = "#e66101"  # a boundary between two devices of a split placement (--devices)
 SPECIAL_LOOKS = {
     "exact zero (identical)": dict(facecolor=EXACT_ZERO, edgecolor="none"),
     NOT_OBSERVED_LABEL: NOT_OBSERVED,
@@ -134,6 +135,27 @@ def add_colorbar(ax, im, **kw):
         old.remove()
     ax._mamba_debug_colorbar = ax.figure.colorbar(im, ax=ax, fraction=0.04, **kw)
     return ax._mamba_debug_colorbar
+
+
+def mark_device_boundaries(ax, res: CompareResult, axis: str = "x"):
+    """A dash-dot line before each block whose input crossed from another device (--devices), labelled with the
+    device it runs on; the legend handle, or None when the placement has no such boundary on the layer axis."""
+    from matplotlib.lines import Line2D  # noqa: PLC0415
+    p = res.placement
+    layers = [b for b in p.device_boundaries if b < res.n_layer]
+    for b in layers:
+        line = ax.axvline if axis == "x" else ax.axhline
+        line(b - 0.5, color=DEVICE_BOUNDARY, ls="-.", lw=1.8, zorder=1)
+        name = p.slot_name(p.layer_slot(b))
+        if axis == "x":
+            ax.text(b - 0.5, 1.0, f" {name}", color=DEVICE_BOUNDARY, fontsize=7, va="top", ha="left",
+                    transform=ax.get_xaxis_transform(), zorder=6)
+        else:
+            ax.text(0.0, b - 0.5, f" {name} above", color=DEVICE_BOUNDARY, fontsize=7, va="bottom", ha="left",
+                    transform=ax.get_yaxis_transform(), zorder=6, bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
+    if not layers:
+        return None
+    return Line2D([], [], color=DEVICE_BOUNDARY, ls="-.", lw=1.8, label="device boundary (hidden state handed over)")
 
 
 def shade_device_layers(ax, res: CompareResult, label: str = "device layers"):

@@ -10,7 +10,8 @@ import numpy as np
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
 from .base import (BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, View, ViewState, fresh_axes, hatch_columns,
-                   mark_ubatches, message, not_observed_patch, observed_rows, site_errors, thresholds)
+                   mark_device_boundaries, mark_ubatches, message, not_observed_patch, observed_rows, site_errors,
+                   thresholds)
 
 METRIC_LABELS = {"rel_l2": "relative L2 error  ||dev - ref|| / ||ref||", "max_abs": "max |dev - ref|",
                  "nmse": "NMSE  mse(dev, ref) / mse(ref, 0)", "cosine": "1 - cosine(dev, ref)  (0 = same direction)"}
@@ -88,7 +89,10 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
         if L0 < res.n_layer:
             ax.axvspan(L0 - 0.5, res.n_layer - 0.5, **DEVICE_SHADE, zorder=0)
             ax.axvline(L0 - 0.5, color=BOUNDARY, ls="--", lw=2, zorder=1)
+        split = mark_device_boundaries(ax, res)
         handles = _plot_series(ax, x, y, thr_all, f"{site} at each layer")
+        if split is not None:
+            handles.append(split)
         if L0 < res.n_layer:
             handles.append(Line2D([], [], color=BOUNDARY, ls="--", lw=2, label=f"offload boundary (layers {L0}+ on "
                                                                                  "device, shaded)"))

@@ -8,6 +8,7 @@ import numpy as np
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
 from .base import (BOUNDARY, FIRST_DIV, SPECIAL_LOOKS, View, ViewState, add_colorbar, fresh_axes, mark_ubatches,
+                   mark_device_boundaries,
                    observed_rows, ratio_colorbar, ratio_norm, site_errors, special_handles, special_overlay,
                    thresholds)
 
@@ -50,6 +51,7 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
         ax.axhline(L0 - 0.5, color=BOUNDARY, lw=2.0, ls="--", zorder=5)
         ax.text(n_tok - 0.5, L0 - 0.5, " host below | device above", color=BOUNDARY, fontsize=7, va="bottom",
                 ha="right", zorder=6, bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
+    split = None if model_level else mark_device_boundaries(ax, res, axis="y")
     fd = res.first_divergence
     if fd and fd["seq"] == seq:
         row = 0 if model_level else (fd["layer"] if fd["layer"] is not None else None)
@@ -73,7 +75,7 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
     if legend:
         from matplotlib.lines import Line2D  # noqa: PLC0415
         marks = [Line2D([], [], marker="o", ls="", mfc="none", mec=FIRST_DIV, mew=2, ms=8, label="first divergence"),
-                 Line2D([], [], color=BOUNDARY, ls="--", lw=2, label="offload boundary")]
+                 Line2D([], [], color=BOUNDARY, ls="--", lw=2, label="offload boundary")] + ([split] if split else [])
         ax.legend(handles=special_handles() + marks, loc="upper center", ncol=3, fontsize=7, frameon=False,
                   bbox_to_anchor=(0.5, -0.17))
     return ax

@@ -147,6 +147,8 @@ class StatesView(View):
         diffs = [state_row(res, list(row), v.layer, token, which, seq=v.seq) for row, which in zip(axes, names)]
         where = "on the device" if res.placement.on_device(v.layer) else \
             "on the host: ref32's run, identical by construction"
+        if res.placement.devices and res.placement.on_device(v.layer):     # its states live on its own device
+            where = f"on device {res.placement.slot_name(res.placement.layer_slot(v.layer))}"
         agree = [d is not None and not np.abs(d).max() > 0 for d in diffs]
         note = ""
         fd = res.first_divergence

@@ -40,6 +40,7 @@ def per_layer(res: CompareResult) -> list[dict]:
             if ex.numel() and (first_bad is None or int(ex[0]) < first_bad["token"]):
                 first_bad = {"token": int(ex[0]), "site": site}
         row = {"layer": i, "on_device": res.placement.on_device(i),
+               **({"device": res.placement.slot_name(res.placement.layer_slot(i))} if res.placement.devices else {}),
                "resid_max_rel_l2": sites.get("resid", {}).get("max_rel_l2"),
                "worst_site": worst[1], "worst_ratio_to_threshold": json_num(worst[0]),
                "first_bad": first_bad, "sites": sites}
@@ -51,6 +52,16 @@ def per_layer(res: CompareResult) -> list[dict]:
                                     if incoming > 0 and res.is_observed(resid) else None)
         rows.append(row)
     return rows
+
+
+def split_config(p) -> dict:
+    """A split placement's keys of the JSON config (none with one device): the devices, the shares, which device
+    each block and the head ran on, and the blocks (n_layer: the head) where the hidden state changed device."""
+    if not p.devices:
+        return {}
+    return {"devices": list(p.devices), "tensor_split": list(p.shares), "split_mode": "layer",
+            "layer_devices": [p.slot_name(k) for k in p.layer_slots], "head_device": p.slot_name(p.head_slot),
+            "device_boundaries": p.device_boundaries}
 
 
 def to_json(res: CompareResult) -> dict:
@@ -68,7 +79,8 @@ def to_json(res: CompareResult) -> dict:
                    "local": s.local, "repeat": s.repeat, "model": res.model_info,
                    "engine": s.engine, "ubatch_per_seq": s.ubatch_per_seq(),
                    "seqs_per_ubatch": s.seqs_per_ubatch(),
-                   **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {})},
+                   **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {}),
+                   **split_config(res.placement)},
         "first_divergence": _with_node(fd, res.sides["device"].extra),
         **({"precision": res.precision["items"] if res.precision else [],
             "precision_summary": {k: v for k, v in res.precision.items() if k != "items"} if res.precision else None}
@@ -106,6 +118,11 @@ def verdict(res: CompareResult) -> str:
                 f"(worst site at {worst:.2g}x its threshold)")
     where = (f"layer {fd['layer']}" if fd["layer"] is not None else "the output head" if fd["site"] in MODEL_SITES
              else "the model input (before layer 0)")          # llama.cpp's embedding lookup ('GET_ROWS')
+    p = res.placement
+    slot = p.layer_slot(fd["layer"]) if fd["layer"] is not None else p.head_slot if fd["site"] in MODEL_SITES else None
+    if p.devices and slot is not None:                          # a split placement: which device ran it
+        crossed = (fd["layer"] if fd["layer"] is not None else p.n_layer) in p.device_boundaries
+        where += f" on {p.slot_name(slot)}" + (" (just after a device boundary)" if crossed else "")
     what = "NaN/Inf born" if fd["nan"] else f"error {fd['error']:.3g} > threshold {fd['threshold']:.3g}"
     return (f"DIVERGED at token {fd['token']} (seq {fd['seq']}, ubatch {fd['ubatch']}, {fd['position']}), {where}, "
             f"site '{fd['site']}': {what}")

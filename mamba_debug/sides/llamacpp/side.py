@@ -82,6 +82,7 @@ class LlamaCppSide:
             lib.llama_log_set(ctypes.cast(quiet, ctypes.c_void_p), None)
         mp = lib.llama_model_default_params().params
         mp.n_gpu_layers = 0 if self.s.device == "cpu" else self.s.offload
+        split = self._split(mp)
         self.lmodel = lib.llama_model_load_from_file(str(self.gguf).encode(), mp)
         if not self.lmodel:
             raise MambaDebugError(f"{self.gguf}: {lib.path} could not load this GGUF (run with "
@@ -97,9 +98,20 @@ class LlamaCppSide:
                                     "gguf": str(self.gguf),
                                     "op_offload": self._op_offload(),
                                     "n_gpu_layers": mp.n_gpu_layers, "n_threads": self._threads(),
-                                    "fp32_everywhere": self.fp32, "layer_kinds": list(self.kinds),
+                                    "fp32_everywhere": self.fp32, "layer_kinds": list(self.kinds), **split,
                                     **({"kv_cache": "f32", "flash_attn": False} if "attention" in self.kinds
                                        else {}), "nodes": []})
+
+    def _split(self, mp) -> dict:
+        """--devices: llama.cpp's split_mode layer with a tensor_split array over the build's GPUs (what it records
+        in the JSON); nothing set without --devices."""
+        if not self.s.devices:
+            return {}
+        shares = split_array(self.s.devices, self.s.tensor_split, self.lib.devices)
+        self._tensor_split = (ctypes.c_float * len(shares))(*shares)      # alive as long as the model
+        mp.split_mode = SPLIT_MODE_LAYER
+        mp.tensor_split = ctypes.cast(self._tensor_split, ctypes.c_void_p)
+        return {"split_mode": "layer", "tensor_split": list(shares), "split_devices": list(self.s.devices)}
 
     def _label(self) -> str:
         return (f"llama.cpp {self.s.device.upper()} build {self.lib.path} ({self.lib.version}), "
@@ -184,6 +196,8 @@ class LlamaCppSide:
             self.info.extra["nodes"] = [{"index": n.index, "layer": n.layer, "site": n.site, "op": n.op,
                                          "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
                                         for n in g["map"].nodes.values() if n.site]
+            if self.s.devices:      # which backend buffer each block's (and the head's) nodes were read from
+                self.info.extra["layer_backends"] = layer_backends(self.info.extra["nodes"])
         self._history.append((self.first_seq, tokens, logits, time.perf_counter() - t0))
         try:
             sites = self._sites(g, tokens.shape[0], tokens.shape[1], logits)
@@ -407,6 +421,41 @@ class LlamaCppSide:
             out[(layer, site)] = (torch.from_numpy(np.array(v)), site not in ("conv_state", "ssm_state"))
         out[(None, "logits")] = (logits, True)
         return out
+
+
+SPLIT_MODE_LAYER = 1        # LLAMA_SPLIT_MODE_LAYER
+
+
+def split_array(devices: tuple, shares: Optional[tuple], lib_devices: list) -> list:
+    """llama.cpp's tensor_split for --devices cuda:i,cuda:j: one float per GPU of the build (ggml's order, which
+    for a CUDA build is CUDA0, CUDA1, ...), each listed GPU's share (equal by default), 0 for the others, which then
+    get no layer. The array is positional, so the devices must be distinct and in ascending order."""
+    gpus = [name for name, kind in lib_devices if kind in ("gpu", "igpu")]
+    idx = [int(d[5:]) if d.startswith("cuda:") and d[5:].isdigit() else None for d in devices]
+    if None in idx:
+        raise MambaDebugError(f"--devices {','.join(devices)}: with --engine llama.cpp every device is cuda:N")
+    if len(gpus) < 2 and len(devices) > 1 or any(i >= len(gpus) for i in idx):
+        raise MambaDebugError(f"--devices {','.join(devices)}: this llama.cpp build sees {len(gpus)} GPU(s) "
+                              f"({', '.join(gpus) or 'none'}); a split over several GPUs needs a CUDA build on a "
+                              f"machine with that many")
+    if idx != sorted(set(idx)):
+        raise MambaDebugError(f"--devices {','.join(devices)}: with --engine llama.cpp list each GPU once, in "
+                              f"ascending order (llama.cpp's tensor_split is one share per GPU, in its order)")
+    out = [0.0] * len(gpus)
+    for i, share in zip(idx, shares or (1.0,) * len(idx)):
+        out[i] = float(share)
+    return out
+
+
+def layer_backends(nodes: list) -> dict:
+    """{"0": ["CUDA0"], ..., "head": ["CUDA1"]}: the backend buffers the mapped nodes of each block were read
+    from, i.e. the device each block really ran on."""
+    out: dict = {}
+    for n in nodes:
+        key = "head" if n["layer"] is None else str(n["layer"])
+        if n["backend"] not in out.setdefault(key, []):
+            out[key].append(n["backend"])
+    return out
 
 
 def _is_embedding(lib, addr: int) -> bool:
