@@ -48,12 +48,29 @@ def _captured(res: CompareResult, side: str, layer: int, which: str, token: int,
     return res.trace[(side,) + key][seq, j].double().numpy(), toks[j], "nearest capture (ubatch end)"
 
 
+def _ubatch_end_before(res: CompareResult, layer: int, which: str, token: int, seq: int):
+    """The last token at or before `token` (else the first after it) whose device state was kept (llama.cpp: the
+    state is the one it writes at each ubatch end; the trace holds NaN at the other tokens)."""
+    toks = res.trace_tokens[(layer, which)]
+    kept = res.trace[("dev", layer, which)][seq]
+    have = [t for j, t in enumerate(toks) if not bool(kept[j].isnan().all())]
+    before = [t for t in have if t <= token]
+    return before[-1] if before else (have[0] if have else None)
+
+
 def state_arrays(res: CompareResult, layer: int, token: int, which="ssm_state", seq=0):
     """(reference, device, token shown, how) of one state, each [channel d, ...]; None when not captured."""
     ref = _captured(res, "ref", layer, which, token, seq)
     dev = _captured(res, "dev", layer, which, token, seq)
     if ref is None or dev is None:
         return None
+    if np.isnan(dev[0]).all() and dev[2] == "captured":     # a device with its states at ubatch ends only
+        end = _ubatch_end_before(res, layer, which, token, seq)
+        if end is None:
+            return None
+        ref = _captured(res, "ref", layer, which, end, seq)
+        dev = _captured(res, "dev", layer, which, end, seq)
+        ref = (ref[0], end, "the device keeps its state at ubatch ends only: the last one")
     a, b = ref[0], dev[0]
     if which == "conv_state":               # stored [window, channel]: show channel down, window across
         a, b = a.T, b.T
