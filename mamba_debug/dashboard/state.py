@@ -44,7 +44,31 @@ class DashState:
 
     def label(self) -> str:
         s = self.run
-        return f"offload {s.offload}, ubatch {s.ubatch}, kernels {s.kernels}"
+        return f"offload {s.offload}, ubatch {s.ubatch}, {device_name(s)}"
+
+
+def device_name(settings: RunSettings) -> str:
+    """What the device side is, in the dashboard's words: the kernels (engine torch) or llama.cpp."""
+    return "llama.cpp" if settings.engine == "llama.cpp" else f"kernels {settings.kernels}"
+
+
+def engine_settings(base: RunSettings, engine: str, kernels: str, llama_device: str = "cpu") -> RunSettings:
+    """The run settings of one engine choice. llama.cpp runs no torch kernels: its key keeps the default kernels (so
+    a kernels choice made before switching does not split its cache) and its own device (cpu: -ngl 0)."""
+    if engine == "llama.cpp":
+        return base.replace(engine=engine, kernels=RunSettings.kernels, device=llama_device)
+    return base.replace(engine=engine, kernels=kernels)
+
+
+def llama_cpp_problem(llama_lib: Optional[str], device: str) -> Optional[str]:
+    """Why no llama.cpp library can serve the dashboard (None: one loads and passes its checks)."""
+    from ..errors import MambaDebugError  # noqa: PLC0415
+    from ..sides.llamacpp.lib import load_library  # noqa: PLC0415 (ctypes and a library: only when asked for)
+    try:
+        load_library(llama_lib, device)
+    except (MambaDebugError, OSError) as exc:
+        return str(exc)
+    return None
 
 
 def dashboard_settings(settings: RunSettings, n_prompt: int) -> RunSettings:
