@@ -132,6 +132,6 @@ class SweepPanel:
         hit = self._pngs.get(key)
         if hit is None:
             self.views[view.name].draw(fig, self.sweep, None, current)
-            hit = (fig_png(fig, self.dpi), None)
+            hit = (fig_png(fig, self.dpi, compress_level=1), None)
             self._remember(key, hit)
         self._show(view.name, hit[0])

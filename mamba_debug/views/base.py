@@ -121,9 +121,23 @@ def new_figure(figsize):
     return Figure(figsize=figsize)
 
 
-def fig_png(fig, dpi: int = DPI, tight: bool = False) -> bytes:
+def live_figure(figsize):
+    """A figure redrawn again and again (the dashboard's): its own Agg canvas, so that every PNG of it renders with
+    one renderer and matplotlib's text-size cache (per renderer) holds across redraws."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    fig = new_figure(figsize)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def fig_png(fig, dpi: int = DPI, tight: bool = False, compress_level: Optional[int] = None) -> bytes:
+    """The figure as PNG. compress_level: zlib's 0..9 (None: PIL's default, 6); the dashboard's 1 encodes a large
+    figure in a third of the time for about 10% more bytes (the pixels are the same)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, **({"bbox_inches": "tight"} if tight else {}))
+    kw = {"bbox_inches": "tight"} if tight else {}
+    if compress_level is not None:
+        kw["pil_kwargs"] = {"compress_level": compress_level}
+    fig.savefig(buf, format="png", dpi=dpi, **kw)
     return buf.getvalue()
 
 
