@@ -299,7 +299,8 @@ class Dashboard(SweepPanel):
         except Exception as exc:
             self._failed[key] = exc
             raise
-        return res, "run", (time.perf_counter() - t) * 1e3
+        ms = (time.perf_counter() - t) * 1e3
+        return res, "same" if "same_run_as" in res.timings else "run", ms
 
     def _progress(self, st: DashState):
         bar = self.w_progress

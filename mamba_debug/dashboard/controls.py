@@ -111,6 +111,7 @@ def llama_cpp_unavailable_html(problem: str) -> str:
 
 def timing_html(source: str, run_ms: float, total_ms: float, views: str, n_cached: int) -> str:
     what = {"run": f"new run {run_ms:.0f} ms + redraw", "cache": "cached run, redraw",
+            "same": "the same bits as a cached run (only the head moved), redraw",
             "view": f"redraw ({views})"}[source]
     return (f"<span style='font-size:11px;color:#666'>{what} {total_ms - run_ms:.0f} ms "
             f"&middot; {n_cached} run(s) cached</span>")
