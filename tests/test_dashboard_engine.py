@@ -91,3 +91,21 @@ def test_engine_llama_cpp_without_a_library_says_so(gguf_model, tmp_path):
     assert "no library loads" in _text(dash.w_status.value)
     dash.set(engine="torch")                                  # back: the torch run on screen, the message gone
     assert dash.error_text == "" and dash.result is shown
+
+
+def test_a_llama_cpp_result_seeds_the_dashboard(gguf_model):
+    """result= a llama.cpp comparison computed elsewhere: shown from the cache with the engine control on llama.cpp
+    (no run), and engine torch runs the torch side from there."""
+    pytest.importorskip("ipywidgets", reason="the dashboard needs ipywidgets (requirements-lab.txt)")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh")
+    from mamba_debug.compare import run_compare
+    from mamba_debug.dashboard import Dashboard
+    from mamba_debug.settings import RunSettings
+    res = run_compare(gguf_model, IDS, RunSettings(engine="llama.cpp", device="cpu", ubatch=4, n_gen=2, offload=3))
+    dash = Dashboard(gguf_model, IDS, kernels="triton", device="interpret", n_gen=2, result=res)
+    assert dash.errors == [] and dash.result is res and dash.timings["source"] == "cache"
+    assert dash.w_engine.value == "llama.cpp" and dash.w_kernels.disabled
+    assert "engine llama.cpp" in _text(dash.w_status.value)
+    dash.set(engine="torch")
+    assert dash.errors == [] and dash.result.sides["device"].engine == "torch" and dash.timings["source"] == "run"
+    assert dash.result.settings.device == "interpret" and not dash.w_kernels.disabled

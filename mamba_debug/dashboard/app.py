@@ -137,7 +137,8 @@ class Dashboard(SweepPanel):
         self.cache.put(self.prompt_ids[prompt], key, res)
         llama = key.engine == "llama.cpp"
         self._base = key.replace(offload=None, ubatch=self._base.ubatch, kernels=self._base.kernels, engine="torch",
-                                 device=self._base.device if llama else key.device)
+                                 device=self._base.device if llama else key.device,
+                                 llama_lib=key.llama_lib if llama else self._base.llama_lib)
         if llama:
             self._llama_device = key.device
         with self._hold():
@@ -148,6 +149,7 @@ class Dashboard(SweepPanel):
                     self.w_kernels.options = list(self.w_kernels.options) + [key.kernels]
                 self.w_kernels.value = key.kernels
             self.w_seq.options = list(range(key.n_seqs))
+        self.controls.show_engine(key.engine)
         self._add_cell(prompt, key, res)
 
     # -- public API ------------------------------------------------------------------------------------
