@@ -9,7 +9,8 @@ Measures, in milliseconds (the dashboard's own `timings`, plus wall time around 
     drawn);
   * first result: the offload / ubatch slider or the kernels dropdown moved to a new configuration (a full
     comparison, then a redraw), with the device side under Triton's interpreter on this CPU (on a GPU the run part
-    shrinks).
+    shrinks); offload n_layer after n_layer + 1 shares its run (the head moved: the same bits); the engine dropdown
+    on llama.cpp (its CPU build, when llama-cpp-python is installed).
 
 Redraw = matplotlib renders each view to PNG, as in a notebook; the browser's own repaint (< 50 ms) is not in it.
 Writes benchmarks/results/dashboard_cpu.json and prints a table.
@@ -19,6 +20,7 @@ Writes benchmarks/results/dashboard_cpu.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -69,9 +71,14 @@ def main() -> int:
 
     new_runs = {"offload 2, ubatch P (dashboard start)": first}
     new_runs[f"offload {L + 1} (all + head), ubatch P"] = _timed(dash, offload=L + 1)
+    # the head moved back to the host: the same bits as offload L + 1 (one run shared, no comparison)
+    new_runs[f"offload {L} (all, head on host), ubatch P"] = _timed(dash, offload=L)
     new_runs["offload 6, ubatch P"] = _timed(dash, offload=6)
     new_runs["offload 2, ubatch 8"] = _timed(dash, offload=2, ubatch=8)
     new_runs["offload 2, ubatch 8, kernels bug_strided_gate"] = _timed(dash, kernels="bug_strided_gate")
+    if "engine" in dash.controls.value_widgets() and importlib.util.find_spec("llama_cpp") is not None:
+        new_runs["offload 2, ubatch 8, engine llama.cpp (CPU)"] = _timed(dash, engine="llama.cpp")
+        dash.set(engine="torch")
     dash.set(kernels="triton")                 # back to the runs below (cached)
 
     cached, drawn, steps = [], [], []

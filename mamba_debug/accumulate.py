@@ -75,6 +75,8 @@ class Accumulator:
             self.floor.setdefault(key, []).append(f)
             if self._keep(*key):
                 for side, val in (("ref", ref), ("dev", dev)):
+                    if val is not None and side == "dev" and at_end:
+                        val = _kept_at_last(val, T)     # kept per token like the reference's: NaN but the last
                     if val is not None:
                         self.kept.setdefault((side,) + key, []).append((val if per_token else val[:, None]).cpu())
                 toks = list(range(self.tok0, self.tok0 + T)) if per_token else [self.tok0 + T - 1]
@@ -166,6 +168,14 @@ def _identical(ref: torch.Tensor) -> dict:
 def _not_observed(ref: torch.Tensor) -> dict:
     nan = torch.full((ref.shape[0], ref.shape[1]), math.nan, dtype=torch.float64, device=ref.device)
     return {m: nan for m in METRICS}
+
+
+def _kept_at_last(v: torch.Tensor, T: int) -> torch.Tensor:
+    """A state the device has at the ubatch's end only, [S, ...] -> [S, T, ...] with NaN but at the last token (so
+    it lines up with the reference's per-token states in the trace)."""
+    out = torch.full((v.shape[0], T) + tuple(v.shape[1:]), math.nan, dtype=v.dtype, device=v.device)
+    out[:, -1] = v
+    return out
 
 
 def _at_last(v: torch.Tensor, T: int) -> torch.Tensor:

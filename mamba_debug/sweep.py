@@ -129,6 +129,17 @@ def _runs_for(model: Model, base: RunSettings, offloads: list) -> dict:
     return {o: o if crosses(o) else by_blocks[place(o).layer_slots] for o in offloads}
 
 
+def same_run_offloads(model: Model, settings: RunSettings) -> list:
+    """The other offloads whose run computes the same bits as this one's (they differ only in where the head runs,
+    and that changes no bit: see the module docstring); [] when there are none or the engine is not torch."""
+    if settings.engine != "torch":
+        return []
+    L = model.config.n_layer
+    offload = L + 1 if settings.offload is None else settings.offload
+    runs = _runs_for(model, settings, list(range(L + 2)))
+    return [o for o in range(L + 2) if o != offload and runs[o] == runs.get(offload)]
+
+
 def _same_as(cell: dict, offload: int, n_layer: int, base: RunSettings) -> dict:
     """The cell of `offload` from the run of another offload that computes the same bits."""
     out = dict(cell, offload=offload, same_run_as=cell["offload"])

@@ -177,3 +177,31 @@ def test_sweep_matrix_tells_clean_diverged_and_not_run_apart(runs):
     titles = [a.get_title() for a in fig.axes]
     assert "1 sequence(s)" in titles and "2 sequence(s)" in titles
     assert sum("KLD" in a.get_ylabel() for a in fig.axes) == 1
+
+
+def test_a_redraw_into_the_same_figure_is_a_fresh_draw(runs):
+    """The dashboard redraws into the figure it drew before (its axes, ticks and the state inspector's panels
+    kept): every view's PNG must be byte for byte the one a new figure gives, whatever was drawn there before."""
+    from mamba_debug.views.base import live_figure
+    model, full, subset = runs
+    n_tok = full.tokens.shape[1]
+    states = [ViewState(token=t, site=site, layer=layer, metric=metric)
+              for t, site, layer, metric in [(1, "resid", 3, "rel_l2"), (2, "resid", 3, "rel_l2"),
+                                             (n_tok - 1, "gate", 0, "max_abs"), (3, "y_scan", 2, "rel_l2"),
+                                             (0, "logits", 1, "rel_l2"), (4, "gate", 2, "cosine")]]
+    sweep = md.run_sweep(model, PROMPT, full.settings.replace(capture="metrics"), offloads=[0, 2], ubatches=[2, 4],
+                         progress=False)
+    empty = {"offloads": [], "ubatches": [], "cells": [], "kernels": sweep["kernels"]}
+    for view in registry.VIEWS:
+        if view.kind == "html":
+            continue
+        live = live_figure(view.figsize)
+        if view.kind == "sweep":
+            calls = [(sw, None, cur) for sw in (sweep, empty, sweep) for cur in ((2, 4), (0, 2))]
+        else:
+            calls = [(res, st) for res in (full, subset, full) for st in states]
+        for args in calls:
+            view.draw(live, *args)
+            fresh = new_figure(view.figsize)
+            view.draw(fresh, *args)
+            assert fig_png(live, compress_level=1) == fig_png(fresh, compress_level=1), (view.name, args[1:])

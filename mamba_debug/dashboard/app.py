@@ -20,12 +20,12 @@ clickable (a click jumps to that configuration); the "jump to" dropdown does the
     dash = md.Dashboard(model, "It is a truth universally acknowledged", kernels="bug_strided_gate")
     dash.widget                      # show it
     dash.set(offload=6, ubatch=8)    # or move the sliders
+    dash.set(engine="llama.cpp")     # the device side: a llama.cpp library, traced (default torch)
     dash.timings                     # {'redraw_ms': ..., 'run_ms': ..., 'source': 'cache' | 'run', ...}
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import html
 import re
 import time
@@ -34,31 +34,25 @@ from collections import OrderedDict
 from typing import Optional, Sequence, Union
 
 from ..settings import RunSettings
-from ..sweep import run_sweep, sweep_cell
 from ..trace import CompareResult
 from ..views import registry
-from ..views.base import DPI, FIELDS, ViewState, fig_png, new_figure
+from ..views.base import DPI, FIELDS, ViewState, fig_png, live_figure
 from ..views.summary import verdict
-from .controls import Controls, error_html, in_kernel, snapshot_html, status_html, timing_html
-from .state import DashState, Prompt, RunCache, dashboard_settings, encode_prompts
+from .controls import (Controls, error_html, in_kernel, llama_cpp_unavailable_html, snapshot_html, status_html,
+                       timing_html)
+from .state import (DashState, Prompt, RunCache, dashboard_settings, encode_prompts, engine_settings,
+                    llama_cpp_problem)
+from .sweep_panel import SweepPanel, guarded
 
-PNG_CACHE_SIZE = 256                         # rendered views kept (about 50-150 kB each)
+PNG_CACHE_SIZE = 256                         # rendered views kept (about 50-200 kB each)
+PNG_COMPRESS = 1        # zlib level of the views' PNGs: a third of the encoding time of the default, ~10% larger
 RUN_DELAY_S = 0.6       # in a notebook, a run starts this long after the offload / ubatch slider last moved
 
 
-def _guarded(fn):
-    """Run a callback; an exception goes to the dashboard's error area instead of vanishing."""
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        try:
-            return fn(self, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - shown to the user, kept in self.errors
-            self._report_error(fn.__name__, exc)
-            return None
-    return wrapper
+_guarded = guarded
 
 
-class Dashboard:
+class Dashboard(SweepPanel):
     """Widgets over `run_compare` for one model and prompt(s). See the module docstring.
 
     model: a Model (`md.load_model()`). prompt: text, token ids, or a list of texts (a prompt dropdown).
@@ -67,6 +61,8 @@ class Dashboard:
     result: CompareResult(s) already computed for this model and prompt: cached, the last one shown first.
     sweep: a `run_sweep` result for this prompt: its cells fill the sweep matrix.
     autorun: compute the first configuration now (else at the first change or `refresh()`).
+    engine: the device side: "torch" (the kernels control's Triton kernels or plug-in) or "llama.cpp" (a llama.cpp
+    library traced: `llama_lib`, else LLAMA_CPP_LIB_PATH, else llama-cpp-python's; on `llama_device`, cpu: -ngl 0).
     """
 
     def __init__(self, model, prompt: Prompt, *, kernels: str = "triton", device: Optional[str] = None,
@@ -74,7 +70,8 @@ class Dashboard:
                  reference: str = "float32", rule: str = "llama2024", sweep_offloads: Optional[Sequence[int]] = None,
                  sweep_ubatches: Optional[Sequence[int]] = None,
                  result: Union[CompareResult, Sequence[CompareResult], None] = None, sweep: Optional[dict] = None,
-                 autorun: bool = True, max_cached_runs: int = 32, dpi: int = DPI):
+                 autorun: bool = True, max_cached_runs: int = 32, dpi: int = DPI, engine: str = "torch",
+                 llama_lib: Optional[str] = None, llama_device: str = "cpu"):
         self.model = model
         self.n_layer = model.config.n_layer
         self.prompts, self.prompt_ids = encode_prompts(model, prompt)
@@ -90,18 +87,20 @@ class Dashboard:
         self.dpi = dpi
         self._holding = False
         # what every run of this dashboard shares; the widgets set offload, ubatch and kernels
-        self._base = RunSettings(n_gen=n_gen, n_seqs=n_seqs, device=device, reference=reference, rule=rule)
+        self._base = RunSettings(n_gen=n_gen, n_seqs=n_seqs, device=device, reference=reference, rule=rule,
+                                 llama_lib=llama_lib)
+        self._llama_device = llama_device
         P = max(len(ids) for ids in self.prompt_ids)
         self.sweep_offloads = list(sweep_offloads) if sweep_offloads is not None else \
             sorted({0, self.n_layer // 2, self.n_layer, self.n_layer + 1})
         self.sweep_ubatches = list(sweep_ubatches) if sweep_ubatches is not None else sorted({1, min(8, P), P})
         self.sweep: dict = {"offloads": [], "ubatches": [], "cells": [], "kernels": kernels}
-        self._sweep_cells: dict[tuple, dict] = {}     # (kernels, prompt, offload, ubatch) -> cell
+        self._sweep_cells: dict[tuple, dict] = {}     # (kernels or llama.cpp, prompt, offload, ubatch) -> cell
         self.views = {v.name: v for v in registry.VIEWS}
-        # no pyplot: figures never leak into cell output
-        self._figs = {v.name: new_figure(v.figsize) for v in registry.VIEWS if v.kind in ("figure", "sweep")}
+        # no pyplot: figures never leak into cell output; each keeps its Agg canvas (one renderer across redraws)
+        self._figs = {v.name: live_figure(v.figsize) for v in registry.VIEWS if v.kind in ("figure", "sweep")}
         self.controls = Controls(model.config, self.prompts, P, kernels=kernels, offload=offload, ubatch=ubatch or P,
-                                 n_seqs=n_seqs, n_gen=n_gen, figures=self._figs)
+                                 n_seqs=n_seqs, n_gen=n_gen, figures=self._figs, engine=engine)
         for name, w in vars(self.controls).items():     # the widgets are the dashboard's: dash.w_offload, ...
             if name.startswith("w_"):
                 setattr(self, name, w)
@@ -136,27 +135,26 @@ class Dashboard:
             raise ValueError("result= was computed for another prompt than this dashboard's")
         key = dashboard_settings(res.settings, res.n_prompt)
         self.cache.put(self.prompt_ids[prompt], key, res)
-        self._base = key.replace(offload=None, ubatch=self._base.ubatch, kernels=self._base.kernels)
+        llama = key.engine == "llama.cpp"
+        self._base = key.replace(offload=None, ubatch=self._base.ubatch, kernels=self._base.kernels, engine="torch",
+                                 device=self._base.device if llama else key.device,
+                                 llama_lib=key.llama_lib if llama else self._base.llama_lib)
+        if llama:
+            self._llama_device = key.device
         with self._hold():
             self.w_prompt.value, self.w_offload.value, self.w_ubatch.value = prompt, key.offload, key.ubatch
-            if key.kernels not in self.w_kernels.options:
-                self.w_kernels.options = list(self.w_kernels.options) + [key.kernels]
-            self.w_kernels.value = key.kernels
+            self.w_engine.value = key.engine
+            if not llama:
+                if key.kernels not in self.w_kernels.options:
+                    self.w_kernels.options = list(self.w_kernels.options) + [key.kernels]
+                self.w_kernels.value = key.kernels
             self.w_seq.options = list(range(key.n_seqs))
+        self.controls.show_engine(key.engine)
         self._add_cell(prompt, key, res)
-
-    def _seed_sweep(self, sweep: dict):
-        prompt = self.w_prompt.value
-        P = len(self.prompt_ids[prompt])
-        for cell in sweep["cells"]:
-            if cell.get("n_seqs", self._base.n_seqs) == self._base.n_seqs:
-                ub = min(cell["ubatch"], P)
-                self._sweep_cells[(sweep["kernels"], prompt, cell["offload"], ub)] = dict(cell, ubatch=ub)
-        self._rebuild_sweep()
 
     # -- public API ------------------------------------------------------------------------------------
     def set(self, **values):
-        """Set widget values (offload, ubatch, kernels, prompt, token, site, metric, seq, layer) and update
+        """Set widget values (offload, ubatch, engine, kernels, prompt, token, site, metric, seq, layer) and update
         once: `dash.set(offload=6, ubatch=8)` runs one comparison, not two."""
         widgets = self.controls.value_widgets()
         unknown = set(values) - set(widgets)
@@ -229,8 +227,8 @@ class Dashboard:
             self._holding = was
 
     def _read_state(self) -> DashState:
-        run = self._base.replace(offload=self.w_offload.value, ubatch=self.w_ubatch.value,
-                                 kernels=self.w_kernels.value)
+        run = engine_settings(self._base.replace(offload=self.w_offload.value, ubatch=self.w_ubatch.value),
+                              self.w_engine.value, self.w_kernels.value, self._llama_device)
         fields = {f: w.value for f, w in self.controls.field_widgets.items()}
         fields["seq"] = fields["seq"] or 0
         return DashState(self.w_prompt.value, run, ViewState(**fields))
@@ -262,6 +260,7 @@ class Dashboard:
     @_guarded
     def _update(self, force: bool = False):
         """The one update path: diff the widgets' state with what is on screen and do the least work."""
+        self.controls.show_engine(self.w_engine.value)
         new = self._read_state()
         old = self.state
         t0 = time.perf_counter()
@@ -291,13 +290,19 @@ class Dashboard:
         key = self.cache.key(ids, st.run)
         if key in self._failed:
             raise self._failed[key]
+        if st.run.engine == "llama.cpp":
+            problem = llama_cpp_problem(st.run.llama_lib, st.run.device)
+            if problem is not None:
+                self._llama_unavailable(problem)
+                return None, "run", 0.0
         t = time.perf_counter()
         try:
             res = self.cache.compute(self.model, ids, st.run, progress=self._progress(st))
         except Exception as exc:
             self._failed[key] = exc
             raise
-        return res, "run", (time.perf_counter() - t) * 1e3
+        ms = (time.perf_counter() - t) * 1e3
+        return res, "same" if "same_run_as" in res.timings else "run", ms
 
     def _progress(self, st: DashState):
         bar = self.w_progress
@@ -342,76 +347,6 @@ class Dashboard:
             values["layer"] = fd["layer"]
         self.set(**values)
 
-    @_guarded
-    def _on_jump(self, change):
-        if change["new"] is None or self._holding:
-            return
-        offload, ubatch = change["new"]
-        with self._hold():
-            self.w_jump.value = None
-        self.jump_to(offload, ubatch)
-
-    def _on_sweep_click(self, event):
-        try:
-            if event.inaxes is None or not self.sweep["cells"]:
-                return
-            j, i = int(round(event.xdata)), int(round(event.ydata))
-            if 0 <= i < len(self.sweep["offloads"]) and 0 <= j < len(self.sweep["ubatches"]):
-                self.jump_to(self.sweep["offloads"][i], self.sweep["ubatches"][j])
-        except Exception as exc:  # noqa: BLE001
-            self._report_error("sweep click", exc)
-
-    @_guarded
-    def _run_sweep(self, offloads=None, ubatches=None):
-        """Metrics-only runs over the grid, one run_sweep per ubatch (the reference is shared per ubatch)."""
-        st = self.state or self._read_state()
-        offloads = list(offloads) if offloads is not None else self.sweep_offloads
-        ubatches = list(ubatches) if ubatches is not None else self.sweep_ubatches
-        ids = self._ids(st)
-        ubatches = [u for u in ubatches if 1 <= u <= len(ids)] or [len(ids)]
-        base = st.run.replace(capture="metrics")
-        bar = self.w_progress
-        bar.layout.visibility, bar.max, bar.value, bar.bar_style = "visible", len(ubatches), 0, "warning"
-        t0 = time.perf_counter()
-        try:
-            for n, u in enumerate(ubatches):
-                bar.description = f"sweep {n}/{len(ubatches)}"
-                self.w_status.value = f"<b>sweep</b> ubatch {u}: offloads {offloads} ..."
-                sw = run_sweep(self.model, ids, base, offloads=offloads, ubatches=[u], n_seqs_list=[st.run.n_seqs],
-                               progress=False)
-                for cell in sw["cells"]:
-                    self._sweep_cells[(st.run.kernels, st.prompt, cell["offload"], cell["ubatch"])] = cell
-                bar.value = n + 1
-        finally:
-            bar.layout.visibility = "hidden"
-            self.w_status.value = self._status_html()
-        self._rebuild_sweep()
-        self._redraw({"sweep"}, self.state or st)
-        self.timings["sweep_ms"] = (time.perf_counter() - t0) * 1e3
-
-    def _add_cell(self, prompt: int, run: RunSettings, res: CompareResult):
-        self._sweep_cells[(run.kernels, prompt, run.offload, run.ubatch)] = dict(sweep_cell(res), ubatch=run.ubatch)
-        self._rebuild_sweep(prompt, run)
-
-    def _rebuild_sweep(self, prompt: Optional[int] = None, run: Optional[RunSettings] = None):
-        """The matrix for the current kernels and prompt: sweep cells plus every full run seen so far."""
-        if run is None:
-            st = self.state or self._read_state()
-            prompt, run = st.prompt, st.run
-        cells = [c for (k, p, _o, _u), c in self._sweep_cells.items() if k == run.kernels and p == prompt]
-        self.sweep = {"offloads": sorted({c["offload"] for c in cells}), "ubatches": sorted({c["ubatch"] for c in cells}),
-                      "cells": cells, "kernels": run.kernels}
-        opts = [("jump to a configuration...", None)]
-        for c in sorted(cells, key=lambda c: (c["offload"], c["ubatch"])):
-            fd = c["first_divergence"]
-            what = "ok" if fd is None else f"diverges t{fd['token']} L{'head' if fd['layer'] is None else fd['layer']}"
-            seen = " (cached)" if self.cache.has(self.prompt_ids[prompt], run.replace(
-                offload=c["offload"], ubatch=c["ubatch"])) else ""
-            opts.append((f"offload {c['offload']}, ubatch {c['ubatch']}: {what}{seen}", (c["offload"], c["ubatch"])))
-        with self._hold():
-            self.w_jump.options = opts
-            self.w_jump.value = None
-
     # -- internals: drawing ----------------------------------------------------------------------------
     def _redraw(self, names: set, st: DashState):
         """Draw the views (a PNG already rendered for this run and view state is shown again as it is)."""
@@ -425,7 +360,7 @@ class Dashboard:
                 if hit is None:
                     fig = self._figs[view.name]
                     data = self.views[view.name].draw(fig, res, v)
-                    hit = (fig_png(fig, self.dpi), data)
+                    hit = (fig_png(fig, self.dpi, compress_level=PNG_COMPRESS), data)
                     self._remember(key, hit)
                 png, self.view_data[view.name] = hit
                 self._show(view.name, png)
@@ -437,24 +372,6 @@ class Dashboard:
         if self._snapshot is not None:
             from IPython.display import HTML  # noqa: PLC0415
             self._snapshot.update(HTML(self._snapshot_html()))
-
-    def _redraw_sweep(self, view, current: tuple):
-        fig = self._figs[view.name]
-        if self._sweep_canvas is not None:
-            self.views[view.name].draw(fig, self.sweep, None, current)
-            self._sweep_canvas.draw_idle()
-            if not getattr(self, "_click_cid", None):
-                self._click_cid = fig.canvas.mpl_connect("button_press_event", self._on_sweep_click)
-            return
-        cells = tuple(sorted((c["offload"], c["ubatch"], c["first_token"], c["first_layer"])
-                             for c in self.sweep["cells"]))
-        key = (view.name, self.sweep.get("kernels"), cells, current)
-        hit = self._pngs.get(key)
-        if hit is None:
-            self.views[view.name].draw(fig, self.sweep, None, current)
-            hit = (fig_png(fig, self.dpi), None)
-            self._remember(key, hit)
-        self._show(view.name, hit[0])
 
     def _remember(self, key, value):
         self._pngs[key] = value
@@ -477,6 +394,17 @@ class Dashboard:
         if source == "run":
             self.timings["last_run_ms"] = run_ms
         self.w_timing.value = timing_html(source, run_ms, total, views, len(self.cache))
+
+    def _llama_unavailable(self, problem: str):
+        """Engine llama.cpp chosen, no library loads: say so (no traceback), run nothing, fall back to nothing."""
+        self.errors.append({"where": "engine llama.cpp", "type": "LlamaCppUnavailable", "message": problem,
+                            "traceback": ""})
+        self.w_progress.layout.visibility = "hidden"
+        self.w_error.value = llama_cpp_unavailable_html(problem)
+        self.w_error.layout.display = ""
+        note = ("<div style='font-size:11px;color:#c60'>engine llama.cpp: no library loads; the views still show "
+                "the last run above</div>")
+        self.w_status.value = (self._status_html() if self.result is not None else "<i>no run yet</i>") + note
 
     def _report_error(self, where: str, exc: BaseException):
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

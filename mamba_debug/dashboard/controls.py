@@ -13,6 +13,7 @@ import html
 from ..arch import all_sites
 from ..metrics import METRICS
 from ..plugins import list_kernels
+from ..settings import ENGINES
 from ..views.base import FIELDS, SCREEN_DPI, screen_width
 from ..views.registry import VIEWS
 
@@ -27,12 +28,16 @@ HEADER_HEIGHT = "66px"     # the header never changes height (a run in progress 
 # While the live widgets render, the static snapshot printed under them (for a notebook opened without a kernel or
 # on a code-hosting site) is hidden; without widgets this style is absent and the snapshot shows.
 HIDE_SNAPSHOT = "<style>.md-static-snapshot{display:none !important}</style>"
+KERNELS_NOT_APPLICABLE = ("Not applicable with engine llama.cpp: the device side is the llama.cpp library's own "
+                          "ops, not torch kernels (choose engine torch to pick kernels)")
 TIPS = {
     "prompt": "Which prompt to run",
     "offload": "Offload (like llama.cpp -ngl): the last N blocks run on the device (N > n_layer: the head too). "
                "Arrow keys move it; the run starts when you stop (about half a second later).",
     "ubatch": "Micro-batch (like llama.cpp -ub): prompt tokens processed together. A new value runs once you "
               "stop moving the slider.",
+    "engine": "The device side's engine: torch (the Triton kernels or a plug-in) or llama.cpp (a llama.cpp library "
+              "traced through its eval callback; --llama-lib / LLAMA_CPP_LIB_PATH, else llama-cpp-python's)",
     "kernels": "The device side's kernels: a plug-in from kernels/ (bug_* are the bug gallery)",
     "token": "The token the curve and the state inspector look at (no new run: a redraw)",
     "play": "Step through the tokens one by one",
@@ -64,19 +69,49 @@ def in_kernel() -> bool:
 
 
 def status_html(res, verdict: str) -> str:
-    """The header: placement, ubatch, what ran on the device, the verdict."""
+    """The header: placement, ubatch, the engine and what ran on the device, the verdict."""
     if res is None:
         return "<i>no run yet</i>"
     colour = "#c00" if res.first_divergence else "#070"
     ub = res.settings.ubatch
     ub_text = f"ubatch {ub}" if ub < res.n_prompt else f"ubatch {res.n_prompt} (the whole prompt)"
-    return (f"<div style='font-size:12px;line-height:1.4'><b>{html.escape(res.placement.describe())}</b>, "
-            f"{ub_text}<br><span style='color:#666'>{html.escape(res.sides['device'].label)}</span><br>"
+    where, device = engine_lines(res)
+    return (f"<div style='font-size:12px;line-height:1.4'><b>{where}</b>, "
+            f"{ub_text}<br><span style='color:#666'>{device}</span><br>"
             f"<span style='color:{colour}'>{html.escape(verdict)}</span></div>")
+
+
+def engine_lines(res) -> tuple:
+    """(placement, device side) of the header, as HTML: for llama.cpp what really ran (the library file, its
+    version, -ngl), read from the result's device side."""
+    dev = res.sides["device"]
+    if res.settings.engine != "llama.cpp":
+        return html.escape(res.placement.describe()), f"engine torch: {html.escape(dev.label)}"
+    extra = dev.extra or {}
+    lib, version = str(extra.get("library", "?")), str(extra.get("version", "?"))
+    ngl = extra.get("n_gpu_layers", 0)
+    if ngl == 0:
+        where = (f"offload {res.settings.offload} is -ngl: this CPU run used -ngl 0, so every block and the head "
+                 f"ran in llama.cpp on the CPU")
+    else:
+        where = f"offload {res.settings.offload} = -ngl {ngl}: {res.placement.describe()}"
+    short = lib if len(lib) <= 60 else "..." + lib[-57:]
+    return (html.escape(where), f"engine llama.cpp: <span title='{html.escape(lib)}'>{html.escape(short)}</span> "
+                                f"({html.escape(version)})")
+
+
+def llama_cpp_unavailable_html(problem: str) -> str:
+    """The message (no traceback) shown when engine llama.cpp is chosen and no library loads."""
+    return ("<div style='border:1px solid #c60;background:#fff8ec;padding:6px;font-size:12px'>"
+            "<b style='color:#c60'>engine llama.cpp: no llama.cpp library could be loaded</b>, so nothing ran (the "
+            "dashboard does not fall back to torch). Install llama-cpp-python or point LLAMA_CPP_LIB_PATH at a "
+            f"llama.cpp build's lib folder, then choose the engine again.<br><span style='color:#666'>"
+            f"{html.escape(problem)}</span></div>")
 
 
 def timing_html(source: str, run_ms: float, total_ms: float, views: str, n_cached: int) -> str:
     what = {"run": f"new run {run_ms:.0f} ms + redraw", "cache": "cached run, redraw",
+            "same": "the same bits as a cached run (only the head moved), redraw",
             "view": f"redraw ({views})"}[source]
     return (f"<span style='font-size:11px;color:#666'>{what} {total_ms - run_ms:.0f} ms "
             f"&middot; {n_cached} run(s) cached</span>")
@@ -122,7 +157,7 @@ class Controls:
     """Every widget of one dashboard (`w_*` attributes, `out` / `html` areas per view) and `widget`, the layout."""
 
     def __init__(self, cfg, prompts: list, n_prompt: int, *, kernels: str, offload, ubatch: int, n_seqs: int,
-                 n_gen: int, figures: dict):
+                 n_gen: int, figures: dict, engine: str = "torch"):
         if W is None:
             raise ImportError("the dashboard needs ipywidgets: pip install -r requirements-lab.txt")
         L, P, lay = cfg.n_layer, n_prompt, W.Layout
@@ -136,6 +171,8 @@ class Controls:
         self.w_ubatch = W.IntSlider(value=min(ubatch, P), min=1, max=P, description="ubatch",
                                     continuous_update=False, style=STYLE)
         self.w_kernels = W.Dropdown(options=knames, value=kernels, description="kernels", style=STYLE)
+        self.w_engine = W.Dropdown(options=list(ENGINES), value=engine, description="engine", style=STYLE,
+                                   layout=lay(width="170px"))
         # one widget per ViewState field
         self.w_token = W.IntSlider(value=0, min=0, max=P + n_gen - 1, description="token", continuous_update=False,
                                    style=STYLE)
@@ -170,6 +207,7 @@ class Controls:
             w = getattr(self, f"w_{name}", None)
             if w is not None:
                 w.tooltip = tip
+        self.show_engine(engine)
         self.w_status = W.HTML(layout=lay(height=HEADER_HEIGHT, overflow="hidden", width="60%"))
         self.w_timing = W.HTML(layout=lay(height="20px", overflow="hidden", width="360px"))
         self.widths = {v.name: screen_width(v.figsize) for v in VIEWS}
@@ -182,7 +220,8 @@ class Controls:
         self.w_text = self.html.get("generations")
         # CSS classes: handles for the browser test and for anyone styling the dashboard
         for w, cls in [(self.w_offload, "md-offload"), (self.w_ubatch, "md-ubatch"), (self.w_token, "md-token"),
-                       (self.w_kernels, "md-kernels"), (self.w_error, "md-error"), (self.w_status, "md-status"),
+                       (self.w_kernels, "md-kernels"), (self.w_engine, "md-engine"), (self.w_error, "md-error"),
+                       (self.w_status, "md-status"),
                        (self.w_progress, "md-progress"), (self.w_tok_prev, "md-tok-prev"),
                        (self.w_tok_next, "md-tok-next"), (self.w_first, "md-first"), (self.w_layer, "md-layer"),
                        (self.w_off_minus, "md-off-minus"), (self.w_off_plus, "md-off-plus"),
@@ -200,7 +239,14 @@ class Controls:
         self.out[name].value = png
 
     def run_widgets(self) -> dict:
-        return {"prompt": self.w_prompt, "offload": self.w_offload, "ubatch": self.w_ubatch, "kernels": self.w_kernels}
+        return {"prompt": self.w_prompt, "offload": self.w_offload, "ubatch": self.w_ubatch, "engine": self.w_engine,
+                "kernels": self.w_kernels}
+
+    def show_engine(self, engine: str):
+        """The kernels control applies to engine torch only: disabled, and its tooltip says why, with llama.cpp."""
+        llama = engine == "llama.cpp"
+        self.w_kernels.disabled = llama
+        self.w_kernels.tooltip = KERNELS_NOT_APPLICABLE if llama else TIPS["kernels"]
 
     def value_widgets(self) -> dict:
         """Every control `Dashboard.set` takes, by name."""
@@ -234,7 +280,7 @@ class Controls:
                         layout=W.Layout(align_items="center", justify_content="space-between",
                                         height=HEADER_HEIGHT, overflow="hidden"))
         run_row = W.HBox([self.w_prompt, self.w_offload, self.w_off_minus, self.w_off_plus, self.w_ubatch,
-                          self.w_ub_minus, self.w_ub_plus, self.w_kernels], layout=W.Layout(flex_flow="row wrap"))
+                          self.w_ub_minus, self.w_ub_plus, self.w_engine, self.w_kernels], layout=W.Layout(flex_flow="row wrap"))
         view_row = W.HBox([self._field_box(f) for f in shared], layout=W.Layout(flex_flow="row wrap"))
         rows, half = [], []
         for view in VIEWS:

@@ -6,12 +6,15 @@ with the one on screen: a new run key runs (or fetches) a comparison, a new view
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from ..compare import run_compare
 from ..settings import RunSettings
+from ..sweep import same_run_offloads
+from ..trace import find_first_divergence
 from ..views.base import ViewState
 
 # What every dashboard run captures. A result computed elsewhere with more (local errors, repeats, another capture
@@ -44,13 +47,47 @@ class DashState:
 
     def label(self) -> str:
         s = self.run
-        return f"offload {s.offload}, ubatch {s.ubatch}, kernels {s.kernels}"
+        return f"offload {s.offload}, ubatch {s.ubatch}, {device_name(s)}"
+
+
+def device_name(settings: RunSettings) -> str:
+    """What the device side is, in the dashboard's words: the kernels (engine torch) or llama.cpp."""
+    return "llama.cpp" if settings.engine == "llama.cpp" else f"kernels {settings.kernels}"
+
+
+def engine_settings(base: RunSettings, engine: str, kernels: str, llama_device: str = "cpu") -> RunSettings:
+    """The run settings of one engine choice. llama.cpp runs no torch kernels: its key keeps the default kernels (so
+    a kernels choice made before switching does not split its cache) and its own device (cpu: -ngl 0)."""
+    if engine == "llama.cpp":
+        return base.replace(engine=engine, kernels=RunSettings.kernels, device=llama_device)
+    return base.replace(engine=engine, kernels=kernels)
+
+
+def llama_cpp_problem(llama_lib: Optional[str], device: str) -> Optional[str]:
+    """Why no llama.cpp library can serve the dashboard (None: one loads and passes its checks)."""
+    from ..errors import MambaDebugError  # noqa: PLC0415
+    from ..sides.llamacpp.lib import load_library  # noqa: PLC0415 (ctypes and a library: only when asked for)
+    try:
+        load_library(llama_lib, device)
+    except (MambaDebugError, OSError) as exc:
+        return str(exc)
+    return None
 
 
 def dashboard_settings(settings: RunSettings, n_prompt: int) -> RunSettings:
     """The dashboard's key for a run with these settings: every ubatch >= the prompt is one schedule (one ubatch),
     and the capture knobs are the dashboard's own."""
     return settings.replace(ubatch=min(settings.ubatch, n_prompt), **DASHBOARD_RUN)
+
+
+def moved_head(res, offload: int, n_layer: int):
+    """The result of `res`'s run at another offload that computes the same bits (only the head's placement
+    differs): the same numbers, this offload's settings and placement, its first divergence's `on_device`."""
+    s = res.settings.replace(offload=offload)
+    out = dataclasses.replace(res, settings=s, placement=s.placement(n_layer),
+                              timings=dict(res.timings, same_run_as=res.placement.offload))
+    out.first_divergence = find_first_divergence(out)
+    return out
 
 
 class RunCache:
@@ -81,9 +118,20 @@ class RunCache:
             self.runs.popitem(last=False)
 
     def compute(self, model, prompt_ids, settings: RunSettings, progress=None):
-        res = run_compare(model, list(prompt_ids), settings, progress=progress, ref_cache=self.ref)
+        """The run of these settings: from a cached run that computed the same bits (the head moved: see
+        `sweep.same_run_offloads`; `timings["same_run_as"]` names its offload), else run_compare."""
+        res = self._same_run(model, prompt_ids, settings)
+        if res is None:
+            res = run_compare(model, list(prompt_ids), settings, progress=progress, ref_cache=self.ref)
         self.put(prompt_ids, settings, res)
         return res
+
+    def _same_run(self, model, prompt_ids, settings: RunSettings):
+        for offload in same_run_offloads(model, settings):
+            twin = self.get(prompt_ids, settings.replace(offload=offload))
+            if twin is not None and not twin.judged:
+                return moved_head(twin, settings.offload, model.config.n_layer)
+        return None
 
     def has(self, prompt_ids, settings: Optional[RunSettings]) -> bool:
         return self.key(prompt_ids, settings) in self.runs

@@ -48,12 +48,29 @@ def _captured(res: CompareResult, side: str, layer: int, which: str, token: int,
     return res.trace[(side,) + key][seq, j].double().numpy(), toks[j], "nearest capture (ubatch end)"
 
 
+def _ubatch_end_before(res: CompareResult, layer: int, which: str, token: int, seq: int):
+    """The last token at or before `token` (else the first after it) whose device state was kept (llama.cpp: the
+    state is the one it writes at each ubatch end; the trace holds NaN at the other tokens)."""
+    toks = res.trace_tokens[(layer, which)]
+    kept = res.trace[("dev", layer, which)][seq]
+    have = [t for j, t in enumerate(toks) if not bool(kept[j].isnan().all())]
+    before = [t for t in have if t <= token]
+    return before[-1] if before else (have[0] if have else None)
+
+
 def state_arrays(res: CompareResult, layer: int, token: int, which="ssm_state", seq=0):
     """(reference, device, token shown, how) of one state, each [channel d, ...]; None when not captured."""
     ref = _captured(res, "ref", layer, which, token, seq)
     dev = _captured(res, "dev", layer, which, token, seq)
     if ref is None or dev is None:
         return None
+    if np.isnan(dev[0]).all() and dev[2] == "captured":     # a device with its states at ubatch ends only
+        end = _ubatch_end_before(res, layer, which, token, seq)
+        if end is None:
+            return None
+        ref = _captured(res, "ref", layer, which, end, seq)
+        dev = _captured(res, "dev", layer, which, end, seq)
+        ref = (ref[0], end, "the device keeps its state at ubatch ends only: the last one")
     a, b = ref[0], dev[0]
     if which == "conv_state":               # stored [window, channel]: show channel down, window across
         a, b = a.T, b.T
@@ -72,9 +89,11 @@ def _missing(res: CompareResult, ax, layer: int, which: str):
     ax.set_yticks([])
 
 
-def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state", seq=0):
-    """Reference, device and difference of one state into three axes. Returns the difference (or None)."""
-    got = state_arrays(res, layer, token, which, seq)
+def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state", seq=0, got=False):
+    """Reference, device and difference of one state into three axes. Returns the difference (or None).
+    got: `state_arrays`' answer when the caller has it."""
+    if got is False:
+        got = state_arrays(res, layer, token, which, seq)
     for ax in axes:
         ax.clear()
     if got is None:
@@ -107,8 +126,45 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
         from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
         a.tick_params(labelsize=7)
+    axes[0].set_ylabel(_ylabel(which, shown, how), fontsize=8)
+    return diff
+
+
+def _ylabel(which: str, shown: int, how: str) -> str:
     where = f"token {shown}" + ("" if how == "captured" else f", {how}")
-    axes[0].set_ylabel(f"{which}\n({where})\nchannel d", fontsize=8)
+    return f"{which}\n({where})\nchannel d"
+
+
+def _look(got) -> tuple:
+    """What a row's panels hold, apart from their numbers: a redraw with the same looks only updates the data."""
+    if got is None:
+        return (None,)
+    ref, dev = got[0], got[1]
+    return (ref.shape, dev.shape, bool(np.abs(dev - ref).max() == 0))
+
+
+def _update_row(axes, got, which: str) -> np.ndarray:
+    """The numbers of a row drawn before with the same look: image data, colour limits, colour bar format, titles.
+    What `state_row` would draw, without recreating axes, ticks and colour bars (most of a redraw's time)."""
+    from matplotlib.ticker import FormatStrFormatter  # noqa: PLC0415
+    ref, dev, shown, how = got
+    diff = dev - ref
+    lim = max(float(np.abs(ref).max()), float(np.abs(dev).max()), 1e-30)
+    for ax, arr in ((axes[0], ref), (axes[1], dev)):
+        im = ax.images[0]
+        im.set_data(arr)
+        im.set_clim(-lim, lim)
+    dmax = float(np.abs(diff).max())
+    if dmax > 0:
+        rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
+        ax = axes[2]
+        ax._mamba_debug_colorbar.formatter = FormatStrFormatter("%.1g" if dmax >= 1e-3 else "%.0e")
+        im = ax.images[0]
+        im.set_data(diff)
+        im.set_clim(-dmax, dmax)
+        ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
+                     color="tab:red" if rel > 1e-4 else "black")
+    axes[0].set_ylabel(_ylabel(which, shown, how), fontsize=8)
     return diff
 
 
@@ -140,11 +196,20 @@ class StatesView(View):
         """Each state (a row) of reference, device and difference at the chosen layer and token; returns the first
         state's difference (empty when not captured)."""
         names = layer_states(res, v.layer)
-        axes = np.atleast_2d(fresh_axes(fig, len(names), 3, left=0.1, right=0.96, top=0.86, bottom=0.1,
-                                        hspace=0.45, wspace=0.3))
         token = v.token if v.token is not None else res.tokens.shape[1] - 1
         token = min(token, res.tokens.shape[1] - 1)
-        diffs = [state_row(res, list(row), v.layer, token, which, seq=v.seq) for row, which in zip(axes, names)]
+        got = [state_arrays(res, v.layer, token, which, v.seq) for which in names]
+        looks = (names, tuple(_look(g) for g in got))
+        drawn = getattr(fig, "_mamba_debug_states", None)
+        if drawn is not None and drawn[0] == looks and drawn[1] == [id(a) for a in fig.axes] and \
+                all(g is not None for g in got):
+            diffs = [_update_row(row, g, which) for row, g, which in zip(drawn[2], got, names)]
+        else:       # a new look: every panel drawn afresh
+            axes = np.atleast_2d(fresh_axes(fig, len(names), 3, left=0.1, right=0.96, top=0.86, bottom=0.1,
+                                            hspace=0.45, wspace=0.3))
+            diffs = [state_row(res, list(row), v.layer, token, which, seq=v.seq, got=g)
+                     for row, which, g in zip(axes, names, got)]
+            fig._mamba_debug_states = (looks, [id(a) for a in fig.axes], [list(row) for row in axes])
         where = "on the device" if res.placement.on_device(v.layer) else \
             "on the host: ref32's run, identical by construction"
         if res.placement.devices and res.placement.on_device(v.layer):     # its states live on its own device

@@ -1,0 +1,48 @@
+"""The dashboard's runs: offload n_layer and n_layer + 1 share one run where moving the head changes no bit (as a
+sweep does), and the derived result is the one a run would give."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_model
+
+IDS = [(7 * i + 3) % 61 for i in range(10)]
+
+
+def _same_numbers(a, b):
+    assert a.errors.keys() == b.errors.keys()
+    for key in a.errors:
+        for m in a.errors[key]:
+            torch.testing.assert_close(a.errors[key][m], b.errors[key][m], rtol=0, atol=0, equal_nan=True)
+    for key in a.trace:
+        torch.testing.assert_close(a.trace[key], b.trace[key], rtol=0, atol=0, equal_nan=True)
+    for m in a.logits:
+        torch.testing.assert_close(a.logits[m], b.logits[m], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "bug_strided_gate"])
+def test_offload_n_layer_and_n_layer_plus_one_share_a_run(kernels, monkeypatch):
+    pytest.importorskip("ipywidgets", reason="the dashboard needs ipywidgets (requirements-lab.txt)")
+    from mamba_debug.compare import run_compare
+    from mamba_debug.dashboard import Dashboard, state
+
+    model = random_model()
+    L = model.config.n_layer
+    dash = Dashboard(model, IDS, kernels=kernels, device="interpret", n_gen=2, offload=L, ubatch=4)
+    calls = []
+    real = state.run_compare
+    monkeypatch.setattr(state, "run_compare", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    dash.set(offload=L + 1)
+    assert dash.errors == [] and calls == [], "the head moved: the same bits, no new run"
+    assert dash.timings["source"] == "same" and dash.result.timings["same_run_as"] == L
+    res = dash.result
+    assert res.placement.offload == L + 1 and res.placement.head_on_device and res.settings.offload == L + 1
+
+    fresh = run_compare(model, IDS, dash.state.run)          # what a run of offload n_layer + 1 gives
+    _same_numbers(res, fresh)
+    assert res.first_divergence == fresh.first_divergence
+    assert res.placement == fresh.placement
+
+    dash.set(offload=L - 1)                                   # other blocks on the device: a run
+    assert len(calls) == 1 and dash.timings["source"] == "run"
