@@ -18,6 +18,7 @@ in the JSON and the script goes on, so one failure does not lose the other measu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -67,7 +68,8 @@ def log(*a):
 
 # -- the model -----------------------------------------------------------------------------------------------
 def mamba_ssm_params(cfg: MambaConfig, seed: int, device: str) -> dict[str, torch.Tensor]:
-    """Random float64 weights at mamba_ssm's initial scale (Mamba.__init__, MambaLMHeadModel._init_weights).
+    """Random weights at mamba_ssm's initial scale (Mamba.__init__, MambaLMHeadModel._init_weights), rounded to
+    float32 values (a real checkpoint's, so the float64 reference keeps them as float32 on the GPU) and held as float64.
 
     Not tests/conftest.random_params: that one draws every matrix on the CPU with one generator (~15 s for
     2.8B parameters) and does not scale out_proj by 1/sqrt(n_layer), which 64 residual additions need.
@@ -105,7 +107,7 @@ def mamba_ssm_params(cfg: MambaConfig, seed: int, device: str) -> dict[str, torc
             continue
         else:
             t = make[leaf](shape)
-        params[name] = t.cpu()
+        params[name] = t.to(torch.float32).to(torch.float64).cpu()   # float32 values, as a real checkpoint holds
     params["lm_head"] = params["embed"]                          # tied embeddings
     return params
 
@@ -385,12 +387,10 @@ def e2e_memory(cfg: MambaConfig, ubatch: int, n_tok: int, ref_device: str) -> di
 
 
 def pick_ubatch(cfg, n_tok, small) -> int:
-    """The largest llama.cpp-like ubatch whose estimate fits in 60% of the GPU (a margin for temporaries)."""
+    """The largest llama.cpp-like ubatch whose estimate stays within the issue's 48 GB of GPU memory."""
     if small or not CUDA:
         return 64
-    total = torch.cuda.get_device_properties(0).total_memory
-    return next((u for u in (512, 256, 128, 64, 32) if e2e_memory(cfg, u, n_tok, "cuda")["gpu_bytes"] < 0.6 * total),
-                16)
+    return next((u for u in (512, 256, 128, 64, 32) if e2e_memory(cfg, u, n_tok, "cuda")["gpu_bytes"] < 48e9), 16)
 
 
 def progress_printer(label):
@@ -404,7 +404,42 @@ def progress_printer(label):
     return update
 
 
-def part_e2e(model, prompt, n_gen, ubatch, ref_device, device) -> dict:
+class Breakdown:
+    """Where an end-to-end comparison's time goes: each side's `step` and the Accumulator's `add` (the metrics),
+    timed with a device sync on both ends (benchmark-only wrappers; the sync costs a few ms per ubatch)."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    def _wrap(self, cls, attr, key):
+        fn = getattr(cls, attr)
+
+        def timed(obj, *a, **kw):
+            sync()
+            t = time.perf_counter()
+            try:
+                return fn(obj, *a, **kw)
+            finally:
+                sync()
+                k = key(obj)
+                self.seconds[k] = self.seconds.get(k, 0.0) + time.perf_counter() - t
+        setattr(cls, attr, timed)
+        self._undo.append((cls, attr, fn))
+
+    def __enter__(self):
+        from mamba_debug.accumulate import Accumulator
+        from mamba_debug.sides.torch_side import TorchSide
+        self._undo = []
+        self._wrap(TorchSide, "step", lambda side: f"side {side.info.name}")
+        self._wrap(Accumulator, "add", lambda acc: "metrics (Accumulator.add)")
+        return self
+
+    def __exit__(self, *exc):
+        for cls, attr, fn in self._undo:
+            setattr(cls, attr, fn)
+
+
+def part_e2e(model, prompt, n_gen, ubatch, ref_device, device, breakdown=False) -> dict:
     cfg = model.config
     est = e2e_memory(cfg, ubatch, len(prompt) + n_gen, ref_device)
     steps = 2 * cfg.n_layer * (len(prompt) + n_gen)
@@ -415,11 +450,14 @@ def part_e2e(model, prompt, n_gen, ubatch, ref_device, device) -> dict:
     s = CompareSettings(kernels="triton", device=device, ubatch=ubatch, n_gen=n_gen, capture="metrics",
                         ref_device=ref_device)
     reset_peak()
-    with RssPeak() as rss:
+    with RssPeak() as rss, (Breakdown() if breakdown else contextlib.nullcontext()) as parts:
         t = time.perf_counter()
         res = run_compare(model, prompt, s, progress=progress_printer("compare"))
         sync()
         wall = time.perf_counter() - t
+    split = {k: round(v, 3) for k, v in parts.seconds.items()} if breakdown else None
+    if split:
+        log("  where the time went (synced): " + ", ".join(f"{k} {v:.2f} s" for k, v in split.items()))
     kld, fd = res.logits["kld"], res.first_divergence
     verdict = ("first divergence None" if fd is None else
                f"DIVERGED at token {fd['token']} layer {fd['layer']} site {fd['site']}")
@@ -429,6 +467,7 @@ def part_e2e(model, prompt, n_gen, ubatch, ref_device, device) -> dict:
             "peak_host_rss_bytes": rss.peak, "host_gb_s": None, "first_divergence": fd,
             "kld_max": float(kld.max()), "kld_mean": float(kld.mean()),
             "top1_agreement": float(res.logits["top1"].mean()), "estimate": est, "device_label": res.device_label,
+            "breakdown_s": split, "ubatch": ubatch,
             "note": f"{verdict}; KLD max {float(kld.max()):.3g}, top-1 {float(res.logits['top1'].mean()):.3f}"}
 
 
@@ -476,13 +515,26 @@ def markdown(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def carried_rows(path: Path, parts: set, small: bool) -> list:
+    """The recorded rows of the parts this run skipped (each keeps its own date): the file stays whole when one
+    part is re-measured."""
+    if small or not path.is_file():
+        return []
+    skipped = {"tracing", "e2e", "cpu_ref"} - parts
+    kind = lambda r: "cpu_ref" if "CPU" in r.get("what", "") and r["part"] == "e2e" else r["part"]  # noqa: E731
+    return [r for r in json.loads(path.read_text())["rows"] if kind(r) in skipped]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="4 layers, d_model 256, 256 tokens: a check on a CPU")
     ap.add_argument("--tokens", type=int, default=None, help="prompt tokens (default 2048; 256 with --small)")
     ap.add_argument("--n-gen", type=int, default=None, help="generated tokens in the comparison (default 4; 2)")
     ap.add_argument("--trace-ubatch", type=int, default=None, help="ubatch of the tracing runs (default 512; 64)")
-    ap.add_argument("--e2e-ubatch", type=int, default=None, help="ubatch of the comparison (default: from memory)")
+    ap.add_argument("--e2e-ubatch", default=None,
+                    help="ubatch(es) of the comparison, comma-separated (default: the largest within 48 GB)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="after the timed comparisons, one more at the first ubatch with each side synced and timed")
     ap.add_argument("--parts", default="tracing,e2e,cpu_ref", help="comma-separated subset of tracing,e2e,cpu_ref")
     ap.add_argument("--time-budget-s", type=float, default=240, help="skip the CPU-reference estimate past this")
     args = ap.parse_args(argv)
@@ -529,14 +581,20 @@ def main(argv=None):
         except Exception as exc:       # noqa: BLE001
             rows.append(error_row("tracing", "tracing overhead", exc))
         free_memory()
-    e2e_ub = args.e2e_ubatch or pick_ubatch(cfg, n_tok + n_gen, args.small)
+    e2e_ubs = [int(u) for u in args.e2e_ubatch.split(",")] if args.e2e_ubatch else \
+        [pick_ubatch(cfg, n_tok + n_gen, args.small)]
+    e2e_ub = e2e_ubs[0]
     ref_device = "cuda" if CUDA else "cpu"
     if "e2e" in parts:
-        try:
-            rows.append(part_e2e(model, prompt.tolist(), n_gen, e2e_ub, ref_device, device))
-        except Exception as exc:       # noqa: BLE001
-            rows.append(error_row("e2e", "end-to-end comparison", exc))
-        free_memory()
+        for ub, brk in [(u, False) for u in e2e_ubs] + ([(e2e_ubs[0], True)] if args.breakdown else []):
+            try:
+                r = part_e2e(model, prompt.tolist(), n_gen, ub, ref_device, device, breakdown=brk)
+                if brk:
+                    r["part"], r["what"] = "e2e breakdown", r["what"] + ", each side synced and timed"
+                rows.append(r)
+            except Exception as exc:       # noqa: BLE001
+                rows.append(error_row("e2e", f"end-to-end comparison, ubatch {ub}", exc))
+            free_memory()
     if "cpu_ref" in parts:
         if ref_device == "cpu":
             log("cpu reference estimate: skipped, the comparison above already ran its reference sides on the CPU")
@@ -550,6 +608,7 @@ def main(argv=None):
 
     for r in rows:
         r.setdefault("date", TODAY)
+    rows = carried_rows(out_dir / "gpu_e2e.json", parts, args.small) + rows
     out = {"date": TODAY, "machine": f"{platform.node()}, {os.cpu_count()} cores", "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if CUDA else None, "model": repr(model), "config": cfg.to_dict(),
            "prompt_tokens": n_tok, "n_gen": n_gen, "trace_ubatch": trace_ub, "e2e_ubatch": e2e_ub,

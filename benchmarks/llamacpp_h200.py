@@ -1,7 +1,8 @@
 """llama.cpp's CUDA build traced on the H200: the grid of issue #14 (item 11).
 
 Run on the GPU machine after benchmarks/llamacpp_h200_build.sh (LLAMA_CPP_LIB_PATH=build/llama-cuda/bin):
-    python3 benchmarks/llamacpp_h200.py [smoke|grid] [--out DIR]
+    python3 benchmarks/llamacpp_h200.py [smoke|grid|big|three] [--out DIR]
+(three: the three-way, llama.cpp CUDA vs its CPU backend vs float64, on the shipped model; big: the 2.8B shape)
 Prints one row per cell (engine, -ngl, -ub, sequences): the verdict, the first divergence, the largest logit error
 against the float64 reference, the arithmetic paths that ran, tracing cost; writes the rows as JSON to --out.
 """
@@ -47,6 +48,20 @@ def cell(model, ids, **kw) -> dict:
             "untraced_s": oe.get("untraced_s")}
 
 
+def three_cell(model, ids, **kw) -> dict:
+    """compare --three-way: one CUDA run and one CPU run of the same library against one float64 reference."""
+    from mamba_debug.three_way import run_three_way, to_json_three_way  # noqa: PLC0415
+    t0 = time.perf_counter()
+    tw = run_three_way(model, ids, RunSettings(engine="llama.cpp", reference="float64", n_gen=N_GEN, capture="all",
+                                               **kw))
+    j = to_json_three_way(tw)["three_way"]
+    runs = {label: {k: r[k] for k in ("verdict", "first_divergence", "logits_rel_l2_max_vs_reference")}
+            for label, r in j["runs"].items()}
+    cross = {k: j["cross"].get(k) for k in ("first_difference", "sites_compared", "logits_rel_l2_max", "note")}
+    return {**{k: v for k, v in kw.items() if k != "llama_lib"}, "device": "three-way",
+            "seconds": round(time.perf_counter() - t0, 2), "runs": runs, "cross": cross}
+
+
 def _tiny(out: Path):
     gguf = md.export_gguf(md.load_model(None), out / "tiny-f32.gguf", dtype="f32")
     model = md.load_model(gguf)
@@ -75,7 +90,8 @@ def _max_logit_err(res) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("smoke", "grid", "big"))
+    ap.add_argument("mode", choices=("smoke", "grid", "big", "three"))
+    ap.add_argument("--offloads", default="all,0", help="big: the -ngl values (all, half or a number)")
     ap.add_argument("--out", default="out/llamacpp_h200")
     ap.add_argument("--lib", default=str(ROOT / "build/llama-cuda/bin"))
     a = ap.parse_args()
@@ -91,18 +107,30 @@ def main():
         grid = [dict(device="cuda", offload=ngl, ubatch=ub, n_seqs=S, local=True)
                 for ngl in (0, n // 2, n + 1) for ub in (1, 4, 17, 512) for S in (1, 2, 3)]
         grid += [dict(device="cpu", ubatch=ub, n_seqs=S, local=True) for ub in (1, 17, 512) for S in (1, 3)]
+    elif a.mode == "three":
+        grid = [dict(offload=ngl, ubatch=ub, n_seqs=S) for ngl in (n + 1, n // 2) for ub in (1, 17, 512)
+                for S in (1, 3)]
     else:
-        grid = [dict(device="cuda", offload=ngl, ubatch=512, n_seqs=1, local=True, ref_device="cuda")
-                for ngl in (n + 1, 0)]
+        ngls = {"all": n + 1, "half": n // 2}
+        grid = [dict(device="cuda", offload=ngls.get(v, None) if v in ngls else int(v), ubatch=512, n_seqs=1,
+                     local=True, ref_device="cuda") for v in a.offloads.split(",")]
     for kw in grid:
         try:
-            row = cell(model, ids, llama_lib=a.lib, **kw)
+            row = (three_cell if a.mode == "three" else cell)(model, ids, llama_lib=a.lib, **kw)
         except Exception as exc:  # noqa: BLE001 (a benchmark row records what failed and goes on)
             row = {**kw, "error": f"{type(exc).__name__}: {exc}"[:600]}
         row.pop("llama_lib", None)
         rows.append(row)
         print(json.dumps(row), flush=True)
     (out / f"{a.mode}.json").write_text(json.dumps(rows, indent=1))
+    if a.mode == "three":
+        print("\nngl  ub  S  CUDA verdict / CPU verdict / CUDA vs CPU")
+        for r in rows:
+            v = r.get("error") or " / ".join(str(x["verdict"])[:40] for x in r["runs"].values())
+            fd = (r.get("cross") or {}).get("first_difference")
+            print(f"{r['offload']:>3} {r['ubatch']:>3} {r['n_seqs']:>2}  {v}  |  "
+                  f"{'differ at ' + str(fd) if fd else 'agree within float32 thresholds'}")
+        return
     print("\ndevice ngl  ub  S  verdict / first divergence                          logit err   paths")
     for r in rows:
         fd = r.get("first_divergence")

@@ -65,7 +65,7 @@ def _fused_module(interpret: bool):
         return exec_file(path, name)
 
 
-def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
+def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor, _rows_per_pair=None) -> dict[str, torch.Tensor]:
     """The reference implementation of `site_errors` in plain torch float64 ops (what runs on the CPU)."""
     a = dev.detach().to(ref.device, torch.float64).reshape(dev.shape[0], dev.shape[1], -1)
     b = ref.detach().to(torch.float64).reshape(ref.shape[0], ref.shape[1], -1)
@@ -85,39 +85,62 @@ def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.
 
 
 STACK_MAX_ELEMENTS = 1 << 22     # a stacked group of sites is cut beyond this many elements (memory)
+FUSED_STACK_MAX_ELEMENTS = 1 << 27   # on a GPU: at most ~1.6 GB of stacked copies (float32 dev, float64 ref)
 
 
 def site_errors_many(pairs: list) -> list:
     """`site_errors` of many (dev, ref) pairs: [dict, ...] in the pairs' order, the same values bit for bit.
 
-    On the CPU with one torch thread (what a small model runs with, `backends.cpu_threads_for`), the pairs of one
-    shape and dtypes are stacked and measured together: the metrics of one ubatch take ~10 stacked passes per
-    shape instead of ~25 tiny torch calls per site, which dominated a small model's comparison. Every metric is
-    elementwise or a reduction over each row's own contiguous elements, so stacking changes no bit: each row is
-    the same sum in the same order (with more threads a reduction could be split differently, so there and on a
-    GPU each pair is measured on its own)."""
+    The pairs of one shape and dtypes are stacked and measured together, the same bits in far fewer calls:
+    * on the CPU with one torch thread (what a small model runs with, `backends.cpu_threads_for`), ~10 stacked
+      torch passes per shape instead of ~25 tiny torch calls per site, which dominated a small model's comparison.
+      Every metric is elementwise or a reduction over each row's own contiguous elements, so each row is the same
+      sum in the same order (with more threads a reduction could be split differently: each pair on its own);
+    * on a GPU, one fused kernel launch per group (`_fused_stacked`) instead of one per site: ~100 us of host work
+      per launch made the metrics of a 2.8B comparison 10 s of its 48."""
     out: list = [None] * len(pairs)
     groups: dict = {}
     for i, (dev, ref) in enumerate(pairs):
-        if ref.is_cuda or torch.get_num_threads() != 1 or not (dev.is_contiguous() and ref.is_contiguous()):
+        if ref.is_cuda:
+            groups.setdefault(("fused", tuple(dev.shape), dev.dtype, tuple(ref.shape), ref.dtype, ref.device),
+                              []).append(i)
+            continue
+        if torch.get_num_threads() != 1 or not (dev.is_contiguous() and ref.is_contiguous()):
             out[i] = site_errors(dev, ref)
             continue
-        key = (tuple(dev.shape), dev.dtype, tuple(ref.shape), ref.dtype)
-        groups.setdefault(key, []).append(i)
-    for (shape, *_), idx in groups.items():
-        step = max(1, STACK_MAX_ELEMENTS // max(1, math.prod(shape)))
+        groups.setdefault(("torch", tuple(dev.shape), dev.dtype, tuple(ref.shape), ref.dtype), []).append(i)
+    for (how, shape, *_), idx in groups.items():
+        limit = FUSED_STACK_MAX_ELEMENTS if how == "fused" else STACK_MAX_ELEMENTS
+        step = max(1, limit // max(1, math.prod(shape)))
         for k in range(0, len(idx), step):
             part = idx[k:k + step]
             if len(part) == 1:
                 out[part[0]] = site_errors(*pairs[part[0]])
                 continue
-            S, T = shape[0], shape[1]
-            dev = torch.stack([pairs[i][0] for i in part]).reshape(len(part) * S, T, -1)
-            ref = torch.stack([pairs[i][1] for i in part]).reshape(len(part) * S, T, -1)
-            e = {m: v.reshape(len(part), S, T).unbind(0) for m, v in _site_errors_torch(dev, ref).items()}
-            for j, i in enumerate(part):
-                out[i] = {m: v[j] for m, v in e.items()}
+            measure = _fused_stacked if how == "fused" else _site_errors_torch
+            for i, e in zip(part, _stacked([pairs[i] for i in part], measure)):
+                out[i] = e
     return out
+
+
+def _stacked(pairs: list, measure) -> list:
+    """Pairs of one shape measured as one [n*S, T, X] pair; a dict per pair."""
+    S, T = pairs[0][1].shape[:2]
+    n = len(pairs)
+    dev = torch.stack([d.to(r.device) for d, r in pairs]).reshape(n * S, T, -1)
+    ref = torch.stack([r for _, r in pairs]).reshape(n * S, T, -1)
+    e = {m: v.reshape(n, S, T).unbind(0) for m, v in measure(dev, ref, S * T).items()}
+    return [{m: v[j] for m, v in e.items()} for j in range(n)]
+
+
+def _fused_stacked(dev: torch.Tensor, ref: torch.Tensor, rows_per_pair: int) -> dict:
+    """The fused kernel on stacked pairs, cut as it cuts one pair (`_site_metrics.plan` of one pair's rows): each
+    row is summed in the same pieces and order as when its pair is measured alone, so the same bits."""
+    mod = _fused_module(interpret=not ref.is_cuda)
+    sms = 0 if not ref.is_cuda else mod._sm_count(ref.device.index if ref.device.index is not None
+                                                  else torch.cuda.current_device())
+    config = mod.plan(rows_per_pair, ref[0, 0].numel(), sms)
+    return mod.site_errors_fused(dev, ref, config)
 
 
 def nmse(a: torch.Tensor, b: torch.Tensor) -> float:

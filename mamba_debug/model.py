@@ -26,6 +26,9 @@ from .placement import Placement
 from .settings_checks import check_n_gen
 
 
+NARROW_FLOAT64_ON = ("cuda",)     # devices where the float64 reference keeps float32-valued weights as float32
+
+
 class Model:
     """Weights (float64 masters), config and tokenizer; `logits` runs the reference back-end."""
 
@@ -36,6 +39,7 @@ class Model:
         self.source = source              # the path it was loaded from ("" in memory)
         self.notes = list(notes)          # what the loader could not carry over (e.g. a tokenizer it did not rebuild)
         self._cast: dict = {}
+        self._exact: Optional[bool] = None     # every master a float32 value? (stored_weights)
 
     def __repr__(self) -> str:
         c = self.config
@@ -45,11 +49,33 @@ class Model:
                 f"N={c.d_state} K={c.d_conv}{extra} V={c.vocab_size})")
 
     def weights(self, backend: Backend) -> dict:
-        """Parameters cast once per (device, dtype); shared by every run on that back-end."""
+        """Parameters in the back-end's dtype on its device (widened here when they are stored narrow)."""
+        w, widen = self.stored_weights(backend)
+        return {k: v.to(backend.dtype) for k, v in w.items()} if widen else w
+
+    def stored_weights(self, backend: Backend) -> tuple:
+        """(parameters as kept for the back-end, whether to widen them to its dtype where they are used); cast
+        once per (back-end, device, dtype) and shared by every run on that back-end.
+
+        On a GPU, the float64 reference keeps the float32 reference's copy when every master is a float32 value
+        (every real checkpoint: f32, f16 and bf16 widen exactly): 12 bytes per parameter on the GPU instead of 20
+        (2.8B: 23 GB less), and the Runner widens one block's weights at a time, which gives the same bits."""
+        if backend.dtype == torch.float64 and backend.device.type in NARROW_FLOAT64_ON \
+                and self._float32_exact(backend.device):
+            return self.weights(cpu_backend(backend.device)), True
         if backend.key not in self._cast:
             self._cast[backend.key] = {k: v.to(device=backend.device, dtype=backend.dtype)
                                        for k, v in self.params.items()}
-        return self._cast[backend.key]
+        return self._cast[backend.key], False
+
+    def _float32_exact(self, device) -> bool:
+        """Does every float64 master equal its float32 rounding? Checked once, one tensor at a time on `device`."""
+        if self._exact is None:
+            def exact(v):
+                v = v.to(device)
+                return torch.equal(v.to(torch.float32).to(torch.float64), v)
+            self._exact = all(v.dtype != torch.float64 or exact(v) for v in self.params.values())
+        return self._exact
 
     @property
     def sites(self) -> tuple:
@@ -152,7 +178,9 @@ class Runner:
         self.layer_backends = [host if k is None else self.devices[k] for k in self.layer_slots]
         self.head_backend = host if self.head_slot is None else self.devices[self.head_slot]
         self.layer_types = [layer_type(cfg, i) for i in range(cfg.n_layer)]
-        self.layer_weights = [self._layer_weights(model.weights(b), i) for i, b in enumerate(self.layer_backends)]
+        stored = [model.stored_weights(b) for b in self.layer_backends]
+        self.layer_weights = [self._layer_weights(w, i) for i, (w, _) in enumerate(stored)]
+        self.layer_widen = [widen for _, widen in stored]      # widened one block at a time as it runs
         self.observer = observer
         self.n_seqs = 0
         self.pos = 0              # tokens already processed per sequence
@@ -226,13 +254,17 @@ class Runner:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """get_rows on the host, times the config's embedding multiplier (Granite) when it is not 1."""
-        h = self.model.weights(self.host)["embed"][tokens.to(self.host.device)]
+        w, widen = self.model.stored_weights(self.host)
+        h = w["embed"][tokens.to(self.host.device)]
+        h = h.to(self.host.dtype) if widen else h          # the rows, widened: the same bits as widening first
         m = self.cfg.embedding_multiplier
         return h if m == 1.0 else h * m
 
     def _context(self, i: int, b: Backend) -> LayerContext:
         ops = b.ops if not hasattr(self.observer, "op") else _ObservedOps(b.ops, i, self.observer)
-        return LayerContext(index=i, cfg=self.cfg, ops=ops, w=self.layer_weights[i], states=self.states[i],
+        w = self.layer_weights[i]
+        w = {k: v.to(b.dtype) for k, v in w.items()} if self.layer_widen[i] else w
+        return LayerContext(index=i, cfg=self.cfg, ops=ops, w=w, states=self.states[i],
                             site=lambda name, value, per_token=True: self._site(i, name, value, per_token),
                             want_states_out=self._on_site is not None and b.ops.supports_states_out,
                             dtype=b.dtype, device=b.device)
@@ -240,7 +272,8 @@ class Runner:
     def _head(self, h: torch.Tensor, T: int, src: Optional[int] = None) -> torch.Tensor:
         b = self.head_backend
         h = self._cross(h, src, self.head_slot, b)
-        w = self.model.weights(b)
+        w, widen = self.model.stored_weights(b)
+        w = {k: w[k].to(b.dtype) for k in ("norm_f", "lm_head")} if widen else w
         with _on(b.device):
             final = b.ops.rms_norm(h, w["norm_f"], self.cfg.rms_eps)
             self._site(None, MODEL_SITES[0], final)

@@ -130,24 +130,24 @@ def find_first_divergence(res: CompareResult) -> Optional[dict]:
     """Earliest token; at that token the lowest layer (model-level sites last); then graph order.
     A site the device side did not observe has NaN errors and can never be it."""
     order = res.site_order()
-    exceed = {key: res.exceed(key) for key in order}
-    n_tok = res.tokens.shape[1]
-    for t in range(n_tok):
-        for key in order:
-            col = exceed[key][:, t]
-            if col.any():
-                errs = res.errors[key]["rel_l2"][:, t]
-                seq = int(torch.nonzero(col)[0])
-                info = res.token_infos(seq)[t]
-                err = float(errs[seq])
-                layer, site = key
-                return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": info.ubatch,
-                        "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
-                        "error": err if math.isfinite(err) else "inf",
-                        "threshold": res.thresholds[key], "nan": not math.isfinite(err),
-                        "on_device": layer is not None and res.placement.on_device(layer)
-                        or layer is None and res.placement.head_on_device}
-    return None
+    if not order:
+        return None
+    hit = torch.stack([res.exceed(key).any(0) for key in order])      # [sites, n_tok]: one pass, not a loop
+    tokens = torch.nonzero(hit.any(0))
+    if not tokens.numel():
+        return None
+    t = int(tokens[0])                                                 # the earliest token, then graph order
+    key = order[int(torch.nonzero(hit[:, t])[0])]
+    seq = int(torch.nonzero(res.exceed(key)[:, t])[0])
+    info = res.token_infos(seq)[t]
+    err = float(res.errors[key]["rel_l2"][seq, t])
+    layer, site = key
+    return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": info.ubatch,
+            "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
+            "error": err if math.isfinite(err) else "inf",
+            "threshold": res.thresholds[key], "nan": not math.isfinite(err),
+            "on_device": layer is not None and res.placement.on_device(layer)
+            or layer is None and res.placement.head_on_device}
 
 
 def json_num(x: float):

@@ -327,3 +327,28 @@ print("ok")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_stacked_pairs_through_the_kernel_are_each_pair_bit_for_bit():
+    """On a GPU site_errors_many measures the pairs of one shape in one launch of the fused kernel, cut as one pair
+    is cut: each value is the bits the pair gets alone (here under the interpreter on the CPU, or on CUDA),
+    including NaN/inf patterns, rows split into pieces and a float32-vs-float64 pair."""
+    from mamba_debug.metrics import _fused_stacked, _stacked
+    g = torch.Generator().manual_seed(11)
+    dev_of = "cuda" if DEVICE == "cuda" else "cpu"
+    for shape, ref_dtype in [((1, 3, 40), torch.float64), ((2, 1, 5000), torch.float32), ((1, 4, 2, 33), torch.float64)]:
+        pairs = []
+        for k in range(3):
+            ref = torch.randn(shape, generator=g, dtype=torch.float64).to(ref_dtype)
+            dev = (ref.double() + 1e-7 * torch.randn(shape, generator=g, dtype=torch.float64)).float()
+            if k == 1:
+                dev.view(-1)[5] = NAN
+            if k == 2:
+                ref.view(-1)[0] = INF
+            pairs.append((dev.to(dev_of), ref.to(dev_of)))
+        got = _stacked(pairs, _fused_stacked)
+        for (dev, ref), e in zip(pairs, got):
+            want = fused_site_errors(dev, ref)
+            for m in METRICS:
+                assert torch.equal(e[m].isnan(), want[m].isnan()), (m, shape)
+                assert torch.equal(e[m].nan_to_num(0.0), want[m].nan_to_num(0.0)), (m, shape)
