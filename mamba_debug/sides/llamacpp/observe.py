@@ -1,23 +1,25 @@
-"""The eval callback of the llama.cpp side: every node of every ubatch graph observed and mapped (nodes.GraphMap),
-the mapped sites' values copied, at a cost close to that of the callback itself.
+"""The eval callback of the llama.cpp side: every node of every ubatch graph mapped (nodes.GraphMap) at its ask, and
+the values a site needs copied at its observe, at a cost close to that of the callback itself.
+
+Ask: a node's struct is final when llama.cpp asks about it, so it is mapped there; the answer is yes only for a node
+whose values a site needs (llama.cpp then computes the nodes in between in one go, and synchronises only where a
+copy is due), or for every node when a fault hook is set (it writes between nodes) and with --local (which reads
+every node: the node-by-node path `_legacy`). Observe: the fault hook, then one `ggml_backend_tensor_get`.
 
 A graph's node map is a pure function of its nodes' `ggml_tensor` structs in graph order (name, op, op_params,
 shapes, strides, sources, views, buffer and data pointers) and of the names of the tensors they read that are no
-nodes (weights, inputs, the state and KV caches). The first graph of a kind is mapped node by node (the slow path,
-read_node + GraphMap.add) and each node's outcome is kept in a trie keyed by the node's struct bytes: its Node (layer,
-site), whether a site needs its values, and a buffer for them. A later graph whose nodes have the same bytes, one by
-one, and whose leaves the same names, takes the trie's path: per node one struct comparison, and for a node a site
-needs one copy (`ggml_backend_tensor_get`) into the buffer of its position. A node that differs leaves the trie: the
-nodes so far are mapped again from their live structs, and the rest of the graph is mapped node by node (a new branch).
-
-Every node is still observed (the callback answers yes to every ask while tracing), so a fault hook sees each one
-before it is read, as before. The buffers of a path are reused by the next graph that takes it: a graph's values are
-valid until the next traced decode (the side converts them into its StepOutput before that). --local keeps the
-node-by-node path (`_legacy`): it reads every node and recomputes it (local.py).
+nodes (weights, inputs, the state and KV caches). The first graph of a kind is mapped node by node (read_node +
+GraphMap.add) and each node's outcome is kept in a trie keyed by the node's struct bytes: its Node (layer, site),
+whether a site needs its values, and a buffer for them. A later graph whose nodes have the same bytes, one by one,
+and whose leaves the same names, takes the trie's path: one struct comparison per node. A node that differs leaves
+the trie: the nodes so far are mapped again from their live structs, and the rest of the graph node by node (a new
+branch). The buffers of a path are reused by the next graph that takes it: a graph's values are valid until the next
+traced decode (the side converts them into its StepOutput before that).
 """
 from __future__ import annotations
 
 import ctypes
+
 import numpy as np
 
 from .lib import GgmlTensor
@@ -83,7 +85,8 @@ class Tracer:
         self.tracing, self.u, self.first_seq, self.fault, self.local = trace, u, first_seq, fault, local
         self.graphs, self.error, self.names, self.data = [], None, {}, {}
         self.cur = self.gm = None
-        self.legacy, self.broken, self.checked = local is not None, False, set()
+        self.legacy, self.checked = local is not None, set()
+        self.every = fault is not None      # the fault hook sees every node, between nodes
 
     def end(self) -> list:
         self.tracing = False
@@ -93,33 +96,49 @@ class Tracer:
 
     # -- the callback ---------------------------------------------------------------------------------------------
     def eval(self, t, ask, user_data):
-        """ask -> yes to every node while tracing; observe -> follow the trie (or map the node), copy what a site
-        needs. Never raises into C (an exception is kept and raised after llama_decode) and always returns True
-        (False would end the current split early)."""
+        """ask -> map the node (follow the trie, or map it node by node) and say yes where a site needs its values
+        (every node with a fault hook or --local); observe -> the fault hook, the copy. Never raises into C (an
+        exception is kept and raised after llama_decode); observe always returns True (False would end the current
+        split early)."""
         if ask:
-            return self.tracing
+            if not self.tracing:
+                return False
+            try:
+                cur = self.cur
+                if cur is not None:
+                    raw = STRUCT.from_address(t).raw
+                    s = cur.next if raw == cur.next_raw else cur.kids.get(raw)
+                    if s is not None and (s.leaves is None or self._same_leaves(s.leaves)):
+                        self.cur = s
+                        return self.every or s.read is not None
+                    return self._slow(t, raw)
+                return self.legacy or self._slow(t, None)
+            except BaseException as exc:  # noqa: BLE001 (kept, raised after llama_decode)
+                return self._fail(exc)
         try:
-            cur = self.cur
-            if cur is not None:
-                raw = STRUCT.from_address(t).raw
-                s = cur.next if raw == cur.next_raw else cur.kids.get(raw)
-                if s is not None and (s.leaves is None or self._same_leaves(s.leaves)):
-                    self.cur = s
-                    if self.fault is not None and s.size:       # the tests' stand-in for a fault inside the build
-                        self.fault(s.node, host_array(s.node), self.u, self.first_seq)
-                    r = s.read
-                    if r is not None:
-                        if r[2]:
-                            self.get(t, r[1], 0, r[2])
-                        self.data[r[0]] = r[3]
-                    return True
-            if not self.broken:
-                self._slow(t, raw if cur is not None else None)
+            if self.legacy:
+                self._legacy(t)
+                return True
+            s = self.cur
+            if s is None or s.node.addr != t:
+                raise RuntimeError(f"llama.cpp observed node {t:#x}, the callback had mapped "
+                                   f"{'none' if s is None else hex(s.node.addr)} last")
+            if self.fault is not None and s.size:       # the tests' stand-in for a fault inside the build
+                self.fault(s.node, host_array(s.node), self.u, self.first_seq)
+            r = s.read
+            if r is not None:
+                if r[2]:
+                    self.get(t, r[1], 0, r[2])
+                self.data[r[0]] = r[3]
         except BaseException as exc:  # noqa: BLE001 (kept, raised after llama_decode)
-            if self.error is None:
-                self.error = exc
-            self.broken, self.cur = not self.legacy, None
+            self._fail(exc)
         return True
+
+    def _fail(self, exc) -> bool:
+        if self.error is None:
+            self.error = exc
+        self.legacy, self.tracing = False, False        # nothing more asked for: the decode ends as it is
+        return False
 
     def _same_leaves(self, leaves) -> bool:
         for addr, name in leaves:
@@ -127,37 +146,27 @@ class Tracer:
                 return False
         return True
 
-    def _visit(self, s: _Step, t: int):
-        self.cur = s
-        if self.fault is not None and s.size:
-            self.fault(s.node, host_array(s.node), self.u, self.first_seq)
-        r = s.read
-        if r is not None:
-            if r[2]:
-                self.get(t, r[1], 0, r[2])
-            self.data[r[0]] = r[3]
-
     # -- the slow path: a node the trie does not know here ------------------------------------------------------------
-    def _slow(self, t: int, raw=None):
-        if self.legacy:
-            return self._legacy(t)
+    def _slow(self, t: int, raw) -> bool:
+        """Map a node node by node (at its ask) and grow the trie; whether to observe it."""
         raw = STRUCT.from_address(t).raw if raw is None else raw
         cur = self.cur
         if cur is None:                             # the first node of this decode starts its graph
             s = self.root.kids.get(raw)
             if s is not None and (s.leaves is None or self._same_leaves(s.leaves)):
+                self.cur = s
                 self._start(s, t)
-                return self._visit(s, t)
+                return self.every or s.read is not None
             cur, self.gm = self.root, GraphMap(self.names, self.kinds)
         elif self.gm is None:                       # left the trie: the nodes so far mapped again, live
             self._remap(cur)
         index = 0 if cur is self.root else cur.node.index + 1
         node = read_node(self.lib, t, index, raw)
-        emb = is_embedding(self.lib, t)
+        emb = node.op == "GET_ROWS" and is_embedding(self.lib, t)
         if emb and cur is not self.root:           # a second graph in one decode (step() refuses it): as before
             self._close(self.graphs[0])
             self.legacy, self.cur = True, None
-            return self._legacy(t)
+            return True
         gm = self.gm
         srcs = dict.fromkeys(node.src + ([node.view_src] if node.view_src else []))
         leaves = tuple((a, NAME.from_address(a + NAME_OFF).value) for a in srcs
@@ -168,11 +177,11 @@ class Tracer:
         if node.site and (node.layer, node.site) in self.observed:
             read = self._buffer(node, index)
         shape = (node.ne[1], node.ne[2]) if node.op == "SSM_CONV" else cur.shape
-        s = cur.add(raw, _Step(cur, node, leaves or None, read, shape, emb))
+        s = self.cur = cur.add(raw, _Step(cur, node, leaves or None, read, shape, emb))
         self.steps += 1
         if cur is self.root:
             self._start(s, t)
-        self._visit(s, t)
+        return self.every or read is not None
 
     def _remap(self, cur: _Step):
         self.gm = GraphMap(self.names, self.kinds)
