@@ -11,7 +11,8 @@ shapes, strides, sources, views, buffer and data pointers) and of the names of t
 nodes (weights, inputs, the state and KV caches). The first graph of a kind is mapped node by node (read_node +
 GraphMap.add) and each node's outcome is kept in a trie keyed by the node's struct bytes: its Node (layer, site),
 whether a site needs its values, and a buffer for them. A later graph whose nodes have the same bytes, one by one,
-and whose leaves the same names, takes the trie's path: one struct comparison per node. A node that differs leaves
+and whose graph inputs the same names, takes the trie's path: one struct comparison per node (the weights and the
+state / KV caches a node reads never change name or place while the context lives). A node that differs leaves
 the trie: the nodes so far are mapped again from their live structs, and the rest of the graph node by node (a new
 branch). The buffers of a path are reused by the next graph that takes it: a graph's values are valid until the next
 traced decode (the side converts them into its StepOutput before that).
@@ -29,15 +30,18 @@ from .nodes import DTYPES, GraphMap, host_array, read_data, read_node
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
 NAME_OFF = GgmlTensor.name.offset
+# Leaves that live as long as the context (model weights, recurrent states, KV cache): never renamed nor moved
+LASTING = (b"blk.", b"token_embd", b"output", b"cache_")
 MAX_STEPS = 200_000         # trie nodes kept before it starts over (graphs that never repeat would grow it forever)
 
 
 class _Step:
     """One node of a graph, mapped, given exactly the nodes before it on its path."""
-    __slots__ = ("parent", "node", "leaves", "read", "size", "shape", "emb", "kids", "next_raw", "next")
+    __slots__ = ("parent", "node", "addr", "leaves", "read", "size", "shape", "emb", "kids", "next_raw", "next")
 
     def __init__(self, parent, node=None, leaves=None, read=None, shape=None, emb=False):
         self.parent, self.node, self.leaves, self.read, self.shape, self.emb = parent, node, leaves, read, shape, emb
+        self.addr = node.addr if node is not None else None
         self.size = node.size if node is not None else 0
         self.kids: dict = {}
         self.next_raw = self.next = None        # the first child: most graphs of a kind take one path
@@ -120,9 +124,9 @@ class Tracer:
                 self._legacy(t)
                 return True
             s = self.cur
-            if s is None or s.node.addr != t:
+            if s is None or s.addr != t:
                 raise RuntimeError(f"llama.cpp observed node {t:#x}, the callback had mapped "
-                                   f"{'none' if s is None else hex(s.node.addr)} last")
+                                   f"{'none' if s is None else hex(s.addr)} last")
             if self.fault is not None and s.size:       # the tests' stand-in for a fault inside the build
                 self.fault(s.node, host_array(s.node), self.u, self.first_seq)
             r = s.read
@@ -167,17 +171,19 @@ class Tracer:
             self._close(self.graphs[0])
             self.legacy, self.cur = True, None
             return True
-        gm = self.gm
-        srcs = dict.fromkeys(node.src + ([node.view_src] if node.view_src else []))
-        leaves = tuple((a, NAME.from_address(a + NAME_OFF).value) for a in srcs
-                       if a not in gm.nodes and a not in self.checked)
-        self.checked.update(a for a, _ in leaves)
+        gm, checked, leaves = self.gm, self.checked, []
+        for a in node.src + [node.view_src] if node.view_src else node.src:    # the tensors read that are no nodes
+            if a not in gm.nodes and a not in checked:
+                checked.add(a)
+                name = NAME.from_address(a + NAME_OFF).value
+                if not name.startswith(LASTING):
+                    leaves.append((a, name))
         gm.add(node)
         read = None
         if node.site and (node.layer, node.site) in self.observed:
             read = self._buffer(node, index)
         shape = (node.ne[1], node.ne[2]) if node.op == "SSM_CONV" else cur.shape
-        s = self.cur = cur.add(raw, _Step(cur, node, leaves or None, read, shape, emb))
+        s = self.cur = cur.add(raw, _Step(cur, node, tuple(leaves) or None, read, shape, emb))
         self.steps += 1
         if cur is self.root:
             self._start(s, t)
