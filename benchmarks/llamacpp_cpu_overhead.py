@@ -105,6 +105,57 @@ def one_run(model, ids, ubatch: int, n_seqs: int, profile=None, count=False) -> 
             lside.Tracer = PLAIN
 
 
+GRAPHS = {"S1xT1": (512, 1, 1), "S2xT1": (3, 2, 1), "S1xT24": (512, 1, 24)}
+FLOOR_MODES = ("untraced", "python_no", "python_yes_noop", "repeat", "first")
+
+
+def floors(model, ids, reps: int = 25) -> list:
+    """Per graph kind (sequences x tokens), ms per llama_decode, medians over interleaved repeats:
+    untraced (the callback answers no), python_no (a Python callback that answers no: the same in Python),
+    python_yes_noop (a Python callback that says yes to every node and does nothing: what llama.cpp's per-node
+    synchronisation and the callback's transitions cost), repeat (traced, a graph the trie knows), first (traced,
+    the trie emptied before: the graph mapped node by node, as the first graph of each kind in a run)."""
+    mode = {"m": "repeat"}
+
+    calls = {"python_no": lambda self, t, ask, user_data: False,
+             "python_yes_noop": lambda self, t, ask, user_data: True}
+
+    class Floor(PLAIN):         # every mode through one more call, so that the ratios compare like with like
+        def eval(self, t, ask, user_data):
+            return calls.get(mode["m"], PLAIN.eval)(self, t, ask, user_data)
+    lside.Tracer, rows = Floor, []
+    try:
+        for name, (ub, S, T) in GRAPHS.items():
+            s = RunSettings(engine="llama.cpp", device="cpu", ubatch=ub, n_seqs=S).validated(model.config)
+            side = lside.LlamaCppSide(model, s)
+            toks = sequence_prompts(ids, S, model.config.vocab_size)[:, :T]
+            side.reset(s, S)
+            for _ in range(3):
+                side._decode(toks, trace=True)
+            got = {m: [] for m in FLOOR_MODES}
+            for _ in range(reps):
+                for m in FLOOR_MODES:
+                    mode["m"] = m
+                    if m == "first":
+                        side.tracer._reset_trie()
+                    t0 = time.perf_counter()
+                    side._decode(toks, trace=m != "untraced")
+                    got[m].append(time.perf_counter() - t0)
+            side.close()
+            med = {m: statistics.median(v) * 1e3 for m, v in got.items()}
+            rows.append({"graph": name, "n_seqs": S, "tokens": T, "nodes": len(observe_nodes(side)),
+                         **{f"{m}_ms": round(v, 3) for m, v in med.items()},
+                         **{f"{m}_x": round(v / med["untraced"], 2) for m, v in med.items() if m != "untraced"}})
+    finally:
+        lside.Tracer = PLAIN
+    return rows
+
+
+def observe_nodes(side) -> list:
+    from mamba_debug.sides.llamacpp.observe import graph_nodes  # noqa: PLC0415
+    return graph_nodes(side.tracer.graphs[0])
+
+
 def bench(model, ids, runs: int) -> list:
     rows = []
     for name, (ub, S) in SETTINGS.items():
@@ -124,6 +175,7 @@ def main():
     ap.add_argument("--label", default="current", help="key of these rows in the result file (before / after)")
     ap.add_argument("--commit", default=None, help="the commit measured, recorded with the rows")
     ap.add_argument("--profile", choices=sorted(SETTINGS), help="print a cProfile of one run's traced steps")
+    ap.add_argument("--floors", action="store_true", help="also the per-graph floors (needs the Tracer)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -145,6 +197,13 @@ def main():
         print(f"{r['setting']:<9} {r['ubatches']:>8} {r['traced_s']:>9.4f} {r['untraced_s']:>10.4f} "
               f"{r['ratio']:>6.2f} {r['steps_s']:>8.4f} {r['steps_ratio']:>9.2f} {r['nodes_asked']:>7} "
               f"{r['observe_calls']:>8} {r['callbacks']:>9}")
+    floor_rows = floors(model, ids) if args.floors else None
+    if floor_rows:
+        print(f"\nms per decode (x untraced): {'graph':<7}" + "".join(f"{m:>17}" for m in FLOOR_MODES))
+        for r in floor_rows:
+            print(f"{'':27}{r['graph']:<7}" + "".join(
+                f"{r[m + '_ms']:>9.3f}" + (f" ({r[m + '_x']:.2f}x)" if m != "untraced" else " " * 8)
+                for m in FLOOR_MODES))
     if args.no_write:
         return
     out = args.out
@@ -152,7 +211,8 @@ def main():
     old.update({"date": DATE, "machine": f"{platform.machine()}, 2 shared cores, 1 llama.cpp thread",
                 "model": str(model), "prompt_tokens": len(ids), "n_gen": RunSettings().n_gen,
                 "library": "llama-cpp-python 0.3.36 (llama.cpp 0c1e570), CPU build"})
-    old.setdefault("runs", {})[args.label] = {"date": DATE, "commit": args.commit, "rows": rows}
+    old.setdefault("runs", {})[args.label] = {"date": DATE, "commit": args.commit, "rows": rows,
+                                              **({"floors": floor_rows} if floor_rows else {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(old, indent=1) + "\n")
     print(f"wrote {out} ({args.label})")
