@@ -203,3 +203,38 @@ def test_a_smaller_last_group_runs_its_own_ubatches(subject):
     assert res.token_infos(0)[0].ubatch_len == 1 and res.token_infos(3)[0].ubatch_len == 2
     fd = compare(subject, 2, 4, fault=_fault(2, "y_scan", 1, 1, 0, 1, T=2, group=3)).first_divergence
     assert (fd["seq"], fd["token"], fd["layer"], fd["site"], fd["ubatch"]) == (3, 3, 2, "y_scan", 1), fd
+
+
+def _no_timings(j: dict) -> str:
+    j = {k: v for k, v in j.items() if k != "timings"}
+    oe = j["config"]["llama_cpp"]["observer_effect"]
+    oe["traced_s"] = oe["untraced_s"] = None
+    return json.dumps(j, sort_keys=True)
+
+
+def test_a_repeated_graph_takes_the_trie_with_the_same_answers(subject, monkeypatch):
+    """observe.py: a graph of a kind already seen takes the trie's path (one struct comparison per node, a yes only
+    where a site needs a copy); the result is the one of mapping every graph node by node with every node
+    observed (the path --local and the fault hook take)."""
+    from mamba_debug.sides.llamacpp import observe  # noqa: PLC0415
+    calls = {"ask": 0, "slow": 0}
+    ev, slow, begin = observe.Tracer.eval, observe.Tracer._slow, observe.Tracer.begin
+
+    def counted_eval(self, t, ask, user_data):
+        calls["ask"] += bool(ask and self.tracing)
+        return ev(self, t, ask, user_data)
+
+    def counted_slow(self, t, raw):
+        calls["slow"] += 1
+        return slow(self, t, raw)
+    monkeypatch.setattr(observe.Tracer, "eval", counted_eval)
+    monkeypatch.setattr(observe.Tracer, "_slow", counted_slow)
+    fast = compare(subject, 3, 2)
+    assert 0 < calls["slow"] < calls["ask"] / 3, calls         # most graphs are repeats of the first two
+    assert fast.first_divergence is None
+
+    def node_by_node(self, *args, **kw):
+        begin(self, *args, **kw)
+        self.legacy = True
+    monkeypatch.setattr(observe.Tracer, "begin", node_by_node)
+    assert _no_timings(to_json(compare(subject, 3, 2))) == _no_timings(to_json(fast))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +30,12 @@ _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _CACHE = re.compile(r"cache_([rskv])_l(\d+)")      # recurrent r/s states; attention's KV cache k/v
 _SUFFIX = re.compile(r"^(norm|attn_norm|l_out)-(\d+)$")
 HEAD_NAMES = {"norm": "RMS_NORM", "result_norm": "final_norm", "result_output": "logits"}
+# struct ggml_tensor up to its name, as lib.GgmlTensor lays it out: type, buffer, ne, nb, op, op_params, flags, src,
+# view_src, view_offs, data, name (one unpack instead of a ctypes access per field)
+LAYOUT = struct.Struct("@iP4q4Qi16ii10PPQP64s")
+assert LAYOUT.size == GgmlTensor.extra.offset, "nodes.LAYOUT does not match lib.GgmlTensor"
+_OP_DESC: dict = {}         # (op, op_params[0]) -> ggml_op_desc (which reads nothing else) of the process's library
+_PARSED: dict = {}          # tensor name -> (blk layer, weight, cache kind, cache layer), the regexes' answers
 
 # The node map (Mamba-1, llama.cpp src/models/mamba-base.cpp): how a node is recognised -> DESIGN.md's site.
 # Keys: (op, what identifies it). "weight:X" = reads blk.N.X; "cache:r" = a CPY into cache_r_lN (the new state).
@@ -82,13 +89,31 @@ class Node:
         return n
 
 
-def read_node(lib, addr: int, index: int) -> Node:
-    t = GgmlTensor.from_address(addr)
-    buf = lib.ggml_backend_buffer_name(t.buffer).decode() if t.buffer else "?"
-    node = Node(index, addr, t.name.decode(errors="replace"), (lib.ggml_op_desc(addr) or b"?").decode(),
-                tuple(t.ne), tuple(t.nb), t.type, [s for s in t.src if s], t.view_src or 0, t.view_offs, buf)
-    node.extra["op_params"] = tuple(t.op_params[:4])
+def read_node(lib, addr: int, index: int, raw: Optional[bytes] = None) -> Node:
+    """The node at addr; raw: its struct's bytes when the caller has them (LAYOUT.size of them at least)."""
+    f = LAYOUT.unpack_from(ctypes.string_at(addr, LAYOUT.size) if raw is None else raw)
+    dll = lib.dll
+    buf = dll.ggml_backend_buffer_name(f[1]).decode() if f[1] else "?"
+    op = _OP_DESC.get((f[10], f[11]))
+    if op is None:
+        op = _OP_DESC[(f[10], f[11])] = (dll.ggml_op_desc(addr) or b"?").decode()
+    node = Node(index, addr, f[41].split(b"\0", 1)[0].decode(errors="replace"), op, f[2:6], f[6:10], f[0],
+                [s for s in f[28:38] if s], f[38] or 0, f[39], buf)
+    node.extra["op_params"] = f[11:15]
     return node
+
+
+def parse_name(name: str) -> tuple:
+    """(blk layer, weight, cache kind, cache layer) of a tensor name, each None where the name has none."""
+    p = _PARSED.get(name)
+    if p is None:
+        m, c = _BLK.match(name), _CACHE.search(name)
+        p = (int(m.group(1)), m.group(2)) if m else (None, None)
+        p += (c.group(1), int(c.group(2))) if c else (None, None)
+        if len(_PARSED) > 100_000:
+            _PARSED.clear()
+        _PARSED[name] = p
+    return p
 
 
 def read_data(lib, node: Node) -> np.ndarray:
@@ -180,17 +205,15 @@ class GraphMap:
         weight = cache = None
         layers = []
         for s in node.src + ([node.view_src] if node.view_src else []):
-            name = self.src_name(s)
-            m = _BLK.match(name)
-            if m:
-                layers.append(int(m.group(1)))
-                weight = m.group(2)
-            c = _CACHE.search(name)
-            if c:
-                layers.append(int(c.group(2)))
-                cache = c.group(1)
-            if s in self.nodes:
-                src = self.nodes[s]
+            blk, w, c, c_layer = parse_name(self.src_name(s))
+            if blk is not None:
+                layers.append(blk)
+                weight = w
+            if c is not None:
+                layers.append(c_layer)
+                cache = c
+            src = self.nodes.get(s)
+            if src is not None:
                 if src.layer is None and (src.name in HEAD_NAMES or src.extra.get("head")):
                     node.extra["head"] = True
                 elif src.layer is not None:
@@ -200,9 +223,9 @@ class GraphMap:
             return None, weight, cache
         if m:
             return int(m.group(2)), weight, cache
-        c = _CACHE.search(node.name)
-        if c and node.op == "CPY":
-            cache = c.group(1)
+        c = parse_name(node.name)[2]
+        if c is not None and node.op == "CPY":
+            cache = c
         return (max(layers) if layers else None), weight, cache
 
     def _design_site(self, node: Node, weight, cache) -> Optional[str]:

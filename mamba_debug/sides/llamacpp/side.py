@@ -22,17 +22,18 @@ from ...errors import MambaDebugError
 from ...settings import RunSettings
 from ...trace import SideInfo
 from ..base import StepOutput
-from .lib import EvalCallback, GgmlTensor, LogCallback, load_library
+from .lib import EvalCallback, LogCallback, load_library
+from .observe import Tracer, graph_nodes
 from .reference import derived_sites
-from .local import OPS as LOCAL_OPS
 from .local import LocalErrors, path_of
 from .precision import judge, refine
 from .maps import LAYER_SITES as OTHER_SITES
 from .maps import NOT_OBSERVED, layer_kinds
-from .nodes import DTYPES, HEAD_SITES, LAYER_SITES, GraphMap, host_array, read_data, read_node
+from .nodes import HEAD_SITES, LAYER_SITES
 
-# Tests inject faults here: fn(node, array, ubatch_index, first_seq) is called in the observe call of every mapped node,
-# before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes consume it.
+# Tests inject faults here: fn(node, array, ubatch_index, first_seq) is called in the observe call of every node that
+# is not empty, before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes
+# consume it. Read at the start of each decode.
 FAULT: Optional[Callable] = None
 _KEEP = []          # ctypes callbacks handed to the library live as long as the process
 
@@ -63,13 +64,12 @@ class LlamaCppSide:
         self.fp32 = _fp32_everywhere(s)
         self.lib = load_library(s.llama_lib, s.device)
         self.gguf = gguf_for(model)
-        self.tracing, self.u, self.error = True, -1, None
+        self.u = -1
         self.n_seqs, self.n_slots, self.first_seq = None, None, 0
         # on CUDA the local errors are what tells TF32 precision from a fault (precision.py): always measured there
         self.local = LocalErrors(s.k_floor) if s.local or s.device == "cuda" else None
-        self._weights = {}
         self.kinds = layer_kinds(self.cfg)
-        self._observed = self.observed_sites()
+        self.tracer = None
         self._load()
 
     # -- setup ------------------------------------------------------------------------------------
@@ -139,7 +139,10 @@ class LlamaCppSide:
         if "attention" in self.kinds:       # an f32 KV cache (llama.cpp's default f16 one alone costs ~3e-4), read
             cp.type_k = cp.type_v = 0       # as f32: flash attention would cast K and V to f16 (llama-graph.cpp)
             cp.flash_attn_type = 0          # LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self._cb = EvalCallback(self._eval)
+        if self.tracer is not None:         # its callback stays alive (_KEEP): free what it holds
+            self.tracer.release()
+        self.tracer = Tracer(self.lib, self.kinds, self.observed_sites())    # node addresses of this context
+        self._cb = EvalCallback(self.tracer.eval)
         _KEEP.append(self._cb)
         cp.cb_eval = ctypes.cast(self._cb, ctypes.c_void_p)
         self.ctx = lib.llama_init_from_model(self.lmodel, cp)
@@ -195,7 +198,7 @@ class LlamaCppSide:
         if self.u == 0 and self.first_seq == 0:
             self.info.extra["nodes"] = [{"index": n.index, "layer": n.layer, "site": n.site, "op": n.op,
                                          "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
-                                        for n in g["map"].nodes.values() if n.site]
+                                        for n in graph_nodes(g) if n.site]
             if self.s.devices:      # which backend buffer each block's (and the head's) nodes were read from
                 self.info.extra["layer_backends"] = layer_backends(self.info.extra["nodes"])
         self._history.append((self.first_seq, tokens, logits, time.perf_counter() - t0))
@@ -277,6 +280,8 @@ class LlamaCppSide:
         if self.lmodel:
             self.lib.llama_model_free(self.lmodel)
             self.lmodel = None
+        if self.tracer is not None:
+            self.tracer.release()
 
     def save_state(self) -> object:
         out = []
@@ -313,11 +318,12 @@ class LlamaCppSide:
                     b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = int(ids[s][j]), self.pos[s] + j, 1, 1
                     b.seq_id[k][0] = self.first_seq + s
             b.n_tokens = S * T
-            self.tracing, self.graphs, self.error, self.names = trace, [], None, {}
+            tracer = self.tracer
+            tracer.begin(trace, self.u, self.first_seq, FAULT, self.local)
             rc = lib.llama_decode(self.ctx, b)
-            self.tracing = False
-            if self.error is not None:
-                raise self.error
+            graphs = tracer.end()
+            if tracer.error is not None:
+                raise tracer.error
             if rc != 0:
                 raise MambaDebugError(f"{lib.path}: llama_decode returned {rc} for a ubatch of {S} x {T} tokens")
             logits = np.empty((S, T, self.n_vocab), dtype=np.float32)
@@ -327,67 +333,7 @@ class LlamaCppSide:
         finally:
             lib.llama_batch_free(b)
         self.pos = [p + T for p in self.pos]
-        return torch.from_numpy(logits[..., :self.cfg.vocab_size].copy()), self.graphs
-
-    def _eval(self, t, ask, user_data):
-        """The eval callback: ask -> observe everything while tracing; observe -> map the node, copy what a site
-        needs. Never raises into C (an exception is kept and raised after llama_decode) and always returns True
-        (False would end the current split early)."""
-        if ask:
-            return bool(self.tracing)
-        try:
-            embedding = _is_embedding(self.lib, t)
-            if not self.graphs or embedding:        # the token embedding's GET_ROWS is the first node of every graph
-                self.graphs.append({"map": GraphMap(self.names, self.kinds), "data": {}, "n": 0})
-            g = self.graphs[-1]
-            node = g["map"].add(read_node(self.lib, t, g["n"]))
-            g["n"] += 1
-            if embedding:
-                src = read_node(self.lib, node.src[1], -1)
-                g["tokens"] = read_data(self.lib, src).reshape(-1).copy()
-            if node.op == "SSM_CONV":
-                g["shape"] = (node.ne[1], node.ne[2])
-            data = None
-            if FAULT is not None and node.size:          # the tests' stand-in for a fault inside the build
-                FAULT(node, host_array(node), self.u, self.first_seq)
-            if node.site and (node.layer, node.site) in self._observed:
-                data = g["data"][(node.layer, node.site)] = read_data(self.lib, node)
-            if self.local is not None:
-                self._local(g, node, data)
-        except BaseException as exc:  # noqa: BLE001 (kept, raised after llama_decode)
-            if self.error is None:
-                self.error = exc
-        return True
-
-    def _local(self, g: dict, node, data):
-        """--local: keep every node's output as it was when observed (its memory may be reused later) and
-        recompute the node's op in float64 from its sources."""
-        if node.size == 0 or node.type not in DTYPES:
-            return
-        data = read_data(self.lib, node) if data is None else data
-        g.setdefault("all", {})[node.addr] = data
-        if node.op in LOCAL_OPS and node.layer is not None or node.name in ("embd", "result_norm", "result_output",
-                                                                             "norm"):
-            srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
-            self.local.add(node, srcs, data, self.u, self.first_seq)
-
-    def _leaf(self, g: dict, addr: int):
-        """A source that is not a node of this graph: a weight (read once), an input of this ubatch, or the
-        scheduler's copy of a node for another backend ("CUDA0#node_3#0"): that node's values as observed, since the
-        copy's memory may already hold something else when its consumer is observed."""
-        if addr in self._weights:
-            return self._weights[addr]
-        leaf = read_node(self.lib, addr, -1)
-        if leaf.type not in DTYPES:
-            return None
-        if leaf.name.count("#") >= 2:
-            orig = g["map"].by_name(leaf.name.split("#")[1])
-            if orig is not None and orig.addr in g.get("all", {}):
-                return g["all"][orig.addr].reshape(leaf.ne[::-1])
-        data = read_data(self.lib, leaf)
-        if leaf.name.startswith(("blk.", "token_embd", "output")):
-            data = self._weights[addr] = data.astype(np.float64)    # converted once: read by every ubatch
-        return data
+        return torch.from_numpy(logits[..., :self.cfg.vocab_size].copy()), graphs
 
     def _check_schedule(self, g: dict, tokens: torch.Tensor):
         S, T = tokens.shape
@@ -456,14 +402,6 @@ def layer_backends(nodes: list) -> dict:
         if n["backend"] not in out.setdefault(key, []):
             out[key].append(n["backend"])
     return out
-
-
-def _is_embedding(lib, addr: int) -> bool:
-    """The GET_ROWS of the token embedding: `embd` in Mamba-1's graph, unnamed in Granite's (which scales it into
-    `embd` next)."""
-    src = GgmlTensor.from_address(addr).src[0]
-    return bool(src) and GgmlTensor.from_address(src).name == b"token_embd.weight" and \
-        lib.ggml_op_desc(addr) == b"GET_ROWS"
 
 
 def _fp32_everywhere(s: RunSettings) -> dict:

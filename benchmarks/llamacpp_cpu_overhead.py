@@ -1,0 +1,222 @@
+"""What tracing costs on llama.cpp's CPU build (issue #18 goal 5, CPU half: observing every node at most 2x the run
+that observes nothing).
+
+The llama.cpp side alone (no reference side), on the shipped tiny model exported to an f32 GGUF, over compare's
+default prompt and n_gen, at a few -ub / sequence settings. Per setting and run: the side's own figures
+(`observer_effect`: `traced_s`, the traced decodes, every node mapped; `untraced_s`, the same schedule with the
+eval callback answering no to every ask), the traced steps in full (the decodes plus the site arrays handed to
+compare), and from a first, counted run: the nodes asked about (every node of every graph), the observe calls,
+all Python callbacks. Ratios are medians of each run's traced / untraced (the two are timed back to back, so a
+busy machine slows both); seconds are medians over --runs runs.
+
+Run: python benchmarks/llamacpp_cpu_overhead.py [--runs 7] [--label after] [--commit HASH] [--profile ub512x1]
+Writes (merges by label) benchmarks/results/llamacpp_cpu.json, or --out FILE. --profile SETTING prints a cProfile
+of the traced steps of one run of that setting instead. Runs on the side before the trie too (it counts the side's
+own callback then).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import platform
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import mamba_debug as md  # noqa: E402
+from mamba_debug.cli import DEFAULT_PROMPT  # noqa: E402
+from mamba_debug.compare import sequence_prompts  # noqa: E402
+from mamba_debug.settings import RunSettings  # noqa: E402
+from mamba_debug.sides.llamacpp import side as lside  # noqa: E402
+
+PLAIN = getattr(lside, "Tracer", None)
+
+SETTINGS = {"ub512x1": (512, 1), "ub8x1": (8, 1), "ub3x2": (3, 2)}
+OUT = ROOT / "benchmarks" / "results" / "llamacpp_cpu.json"
+DATE = "2026-12-01"
+
+
+class Counts:
+    asks = observes = 0
+
+
+def _counted(eval_fn):
+    def counted(self, t, ask, user_data):
+        if ask:
+            Counts.asks += 1
+        else:
+            Counts.observes += 1
+        return eval_fn(self, t, ask, user_data)
+    return counted
+
+
+def make_side(model, s, count: bool):
+    """The side, its eval callback counted when asked: the Tracer's callback (made with each context, so the class
+    is swapped until the run ends: see one_run), or before the trie, the side's own `_eval` (the script runs on
+    both)."""
+    if PLAIN is None:
+        cls = type("Counting", (lside.LlamaCppSide,), {"_eval": _counted(lside.LlamaCppSide._eval)})
+        return (cls if count else lside.LlamaCppSide)(model, s)
+    lside.Tracer = type("Counting", (PLAIN,), {"eval": _counted(PLAIN.eval)}) if count else PLAIN
+    return lside.LlamaCppSide(model, s)
+
+
+def one_run(model, ids, ubatch: int, n_seqs: int, profile=None, count=False) -> dict:
+    """One schedule traced (timed step by step), then the side's own untraced run of it. count: wrap the callback
+    to count its calls (a first run: the count costs time of its own)."""
+    s = RunSettings(engine="llama.cpp", device="cpu", ubatch=ubatch, n_seqs=n_seqs).validated(model.config)
+    side = make_side(model, s, count)
+    try:
+        tokens = sequence_prompts(ids, n_seqs, model.config.vocab_size)
+        B = s.ubatch_per_seq(n_seqs)
+        side.reset(s, n_seqs)
+        Counts.asks = Counts.observes = 0
+        step_s, nxt = 0.0, None
+        n_prompt = len(range(0, tokens.shape[1], B))
+        for u in range(n_prompt + s.n_gen):
+            chunk = tokens[:, u * B:(u + 1) * B] if u < n_prompt else nxt[:, None]
+            if profile is not None:
+                profile.enable()
+            t0 = time.perf_counter()
+            out = side.step(chunk)
+            step_s += time.perf_counter() - t0
+            if profile is not None:
+                profile.disable()
+            nxt = out.logits[:, -1].argmax(-1)
+        asks, observes = Counts.asks, Counts.observes
+        oe = side.observer_effect()
+        assert oe["logits_bitwise_identical"], oe
+        return {"traced_s": oe["traced_s"], "untraced_s": oe["untraced_s"], "steps_s": round(step_s, 4),
+                "ratio": oe["traced_s"] / oe["untraced_s"], "steps_ratio": step_s / oe["untraced_s"],
+                "ubatches": n_prompt + s.n_gen, "nodes_asked": asks, "observe_calls": observes,
+                "callbacks": asks + observes,
+                "nodes_listed": len(side.info.extra["nodes"])}
+    finally:
+        side.close()
+        if PLAIN is not None:
+            lside.Tracer = PLAIN
+
+
+GRAPHS = {"S1xT1": (512, 1, 1), "S2xT1": (3, 2, 1), "S1xT24": (512, 1, 24)}
+FLOOR_MODES = ("untraced", "python_no", "python_yes_noop", "repeat", "first")
+
+
+def floors(model, ids, reps: int = 25) -> list:
+    """Per graph kind (sequences x tokens), ms per llama_decode, medians over interleaved repeats:
+    untraced (the callback answers no), python_no (a Python callback that answers no: the same in Python),
+    python_yes_noop (a Python callback that says yes to every node and does nothing: what llama.cpp's per-node
+    synchronisation and the callback's transitions cost), repeat (traced, a graph the trie knows), first (traced,
+    the trie emptied before: the graph mapped node by node, as the first graph of each kind in a run)."""
+    mode = {"m": "repeat"}
+
+    calls = {"python_no": lambda self, t, ask, user_data: False,
+             "python_yes_noop": lambda self, t, ask, user_data: True}
+
+    class Floor(PLAIN):         # every mode through one more call, so that the ratios compare like with like
+        def eval(self, t, ask, user_data):
+            return calls.get(mode["m"], PLAIN.eval)(self, t, ask, user_data)
+    lside.Tracer, rows = Floor, []
+    try:
+        for name, (ub, S, T) in GRAPHS.items():
+            s = RunSettings(engine="llama.cpp", device="cpu", ubatch=ub, n_seqs=S).validated(model.config)
+            side = lside.LlamaCppSide(model, s)
+            toks = sequence_prompts(ids, S, model.config.vocab_size)[:, :T]
+            side.reset(s, S)
+            for _ in range(3):
+                side._decode(toks, trace=True)
+            got = {m: [] for m in FLOOR_MODES}
+            for _ in range(reps):
+                for m in FLOOR_MODES:
+                    mode["m"] = m
+                    if m == "first":
+                        side.tracer._reset_trie()
+                    t0 = time.perf_counter()
+                    side._decode(toks, trace=m != "untraced")
+                    got[m].append(time.perf_counter() - t0)
+            side.close()
+            med = {m: statistics.median(v) * 1e3 for m, v in got.items()}
+            rows.append({"graph": name, "n_seqs": S, "tokens": T, "nodes": len(observe_nodes(side)),
+                         **{f"{m}_ms": round(v, 3) for m, v in med.items()},
+                         **{f"{m}_x": round(v / med["untraced"], 2) for m, v in med.items() if m != "untraced"}})
+    finally:
+        lside.Tracer = PLAIN
+    return rows
+
+
+def observe_nodes(side) -> list:
+    from mamba_debug.sides.llamacpp.observe import graph_nodes  # noqa: PLC0415
+    return graph_nodes(side.tracer.graphs[0])
+
+
+def bench(model, ids, runs: int) -> list:
+    rows = []
+    for name, (ub, S) in SETTINGS.items():
+        counted = one_run(model, ids, ub, S, count=True)          # also a warm-up (pages, caches)
+        got = [one_run(model, ids, ub, S) for _ in range(runs)]
+        med = {k: round(statistics.median(r[k] for r in got), 4) for k in ("traced_s", "untraced_s", "steps_s")}
+        ratios = {k: round(statistics.median(r[k] for r in got), 2) for k in ("ratio", "steps_ratio")}
+        rows.append({"setting": name, "ubatch": ub, "n_seqs": S, **med, **ratios,
+                     **{k: counted[k] for k in ("ubatches", "nodes_asked", "observe_calls", "callbacks",
+                                                "nodes_listed")}, "runs": runs})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--label", default="current", help="key of these rows in the result file (before / after)")
+    ap.add_argument("--commit", default=None, help="the commit measured, recorded with the rows")
+    ap.add_argument("--profile", choices=sorted(SETTINGS), help="print a cProfile of one run's traced steps")
+    ap.add_argument("--floors", action="store_true", help="also the per-graph floors (needs the Tracer)")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = md.load_model(None)
+    ids = model.encode(DEFAULT_PROMPT)
+    if args.profile:
+        ub, S = SETTINGS[args.profile]
+        one_run(model, ids, ub, S)
+        prof = cProfile.Profile()
+        print(one_run(model, ids, ub, S, profile=prof))
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        return
+    rows = bench(model, ids, args.runs)
+    print(f"{'setting':<9} {'ubatches':>8} {'traced s':>9} {'untraced s':>10} {'ratio':>6} {'steps s':>8} "
+          f"{'steps/unt':>9} {'asked':>7} {'observed':>8} {'callbacks':>9}")
+    for r in rows:
+        print(f"{r['setting']:<9} {r['ubatches']:>8} {r['traced_s']:>9.4f} {r['untraced_s']:>10.4f} "
+              f"{r['ratio']:>6.2f} {r['steps_s']:>8.4f} {r['steps_ratio']:>9.2f} {r['nodes_asked']:>7} "
+              f"{r['observe_calls']:>8} {r['callbacks']:>9}")
+    floor_rows = floors(model, ids) if args.floors else None
+    if floor_rows:
+        print(f"\nms per decode (x untraced): {'graph':<7}" + "".join(f"{m:>17}" for m in FLOOR_MODES))
+        for r in floor_rows:
+            print(f"{'':27}{r['graph']:<7}" + "".join(
+                f"{r[m + '_ms']:>9.3f}" + (f" ({r[m + '_x']:.2f}x)" if m != "untraced" else " " * 8)
+                for m in FLOOR_MODES))
+    if args.no_write:
+        return
+    out = args.out
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    old.update({"date": DATE, "machine": f"{platform.machine()}, 2 shared cores, 1 llama.cpp thread",
+                "model": str(model), "prompt_tokens": len(ids), "n_gen": RunSettings().n_gen,
+                "library": "llama-cpp-python 0.3.36 (llama.cpp 0c1e570), CPU build"})
+    old.setdefault("runs", {})[args.label] = {"date": DATE, "commit": args.commit, "rows": rows,
+                                              **({"floors": floor_rows} if floor_rows else {})}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"wrote {out} ({args.label})")
+
+
+if __name__ == "__main__":
+    main()
