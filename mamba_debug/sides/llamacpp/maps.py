@@ -97,8 +97,7 @@ def design_site(gm, node, weight: Optional[str], cache: Optional[str], kind: str
             return "y_scan"
         if op == "SILU" and "conv" in src_roles:
             return "conv_act"
-        if op == "ADD" and any(gm.nodes.get(s) is not None and gm.roles.get(gm.nodes[s].view_src) == "y_scan"
-                               for s in node.src):
+        if op == "ADD" and any(gm.roles.get(n.view_src) == "y_scan" for s in node.src for n in gm.sources(s)):
             return "y_skip"
         if op == "SWIGLU" and "y_skip" in src_roles:
             return "y_gated"

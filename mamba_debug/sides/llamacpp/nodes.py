@@ -146,22 +146,35 @@ class GraphMap:
         self.nodes: dict = {}               # address -> Node
         self.count: dict = {}               # (layer, op) -> nodes of that op so far
         self.roles: dict = {}               # address -> DESIGN site of already mapped nodes
+        self.copies: dict = {}              # address of a scheduler copy -> the name of what it copies
 
     def src_name(self, addr: int) -> str:
+        """A source's name; for the scheduler's copy of a tensor for another backend ("CUDA0#blk.0.ssm_in.weight#0",
+        "CUDA_Host#node_36 (view)#0": op offload and backend boundaries), the name of what it copies."""
         if addr in self.nodes:
             return self.nodes[addr].name
         name = self.names.get(addr)
         if name is None:
             name = GgmlTensor.from_address(addr).name.decode(errors="replace")
             parts = name.split("#")
-            if len(parts) == 3:         # the scheduler's copy for another backend: "CUDA0#blk.0.ssm_in.weight#0"
-                name = parts[1]         # (op offload copies CPU-resident weights): map by what it copies
-            self.names[addr] = name
+            if len(parts) != 3:
+                self.names[addr] = name     # weights, inputs, caches; not copies (the scheduler's, per graph)
+                return name
+            self.copies[addr] = parts[1]
+            return parts[1]
         return name
 
-    def by_name(self, name: str) -> Optional[Node]:
-        """The latest node of this graph with that name (node names repeat only as "node_<index>", unique)."""
-        return next((n for n in reversed(list(self.nodes.values())) if n.name == name), None)
+    def named(self, name: str) -> list:
+        """The nodes of this graph with that name. Names are not unique: views are " (view)" or "node_36 (view)"
+        (the scan's y and its state are both views of the scan), so a copy may be of any of them."""
+        return [n for n in self.nodes.values() if n.name == name]
+
+    def sources(self, addr: int) -> list:
+        """The node(s) a source may be: itself, or for a scheduler copy every node of the name it copies."""
+        node = self.nodes.get(addr)
+        if node is not None:
+            return [node]
+        return self.named(self.copies[addr]) if addr in self.copies else []
 
     def add(self, node: Node) -> Node:
         node.layer, weight, cache = self._layer(node)
@@ -243,8 +256,8 @@ class GraphMap:
         roles = [self.roles.get(s) for s in node.src]
         if op == "SILU" and "conv" in roles:
             return "conv_act"
-        if op == "ADD" and any(self.nodes.get(s) and self.nodes[s].view_src in self.roles
-                               and self.roles[self.nodes[s].view_src] == "y_scan" for s in node.src):
+        if op == "ADD" and any(n.view_src in self.roles and self.roles[n.view_src] == "y_scan"
+                               for s in node.src for n in self.sources(s)):       # y + D x (a copy of y: op offload)
             return "y_skip"
         if op == "VIEW" and node.view_src in self.nodes:
             parent = self.nodes[node.view_src]

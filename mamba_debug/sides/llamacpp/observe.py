@@ -266,11 +266,19 @@ class Tracer:
         leaf = read_node(self.lib, addr, -1)
         if leaf.type not in DTYPES:
             return None
+        data = None
         if leaf.name.count("#") >= 2:
-            orig = g["map"].by_name(leaf.name.split("#")[1])
-            if orig is not None and orig.addr in g.get("all", {}):
-                return g["all"][orig.addr].reshape(leaf.ne[::-1])
-        data = read_data(self.lib, leaf)
+            seen = g.get("all", {})
+            cands = [n for n in g["map"].named(leaf.name.split("#")[1])
+                     if n.addr in seen and seen[n.addr].size == leaf.size]
+            if len(cands) == 1:
+                return seen[cands[0].addr].reshape(leaf.ne[::-1])
+            if cands:           # several nodes of that name (views): the one whose values the copy holds
+                data = read_data(self.lib, leaf)
+                if not any(np.array_equal(seen[n.addr].reshape(data.shape), data) for n in cands):
+                    return None     # its memory holds something else by now: no local error for the consumer
+                return data
+        data = read_data(self.lib, leaf) if data is None else data
         if leaf.name.startswith(("blk.", "token_embd", "output")):
             data = self.weights[addr] = data.astype(np.float64)    # converted once: read by every ubatch
         return data
