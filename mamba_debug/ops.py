@@ -70,6 +70,7 @@ def _recurrence_loop(dA, dBx, h, hs):
 
 _GRAPHS: dict = {}           # (shapes, dtype, device) -> (CUDA graph, its static dA, dBx, h, hs)
 GRAPH_MIN_TOKENS = 8         # shorter blocks: the copies in and out cost more than the launches they save
+GRAPH_CACHE = 8              # graphs kept (block shapes): a sweep over ubatches meets a few each
 
 
 def _recurrence(dA, dBx, h, hs):
@@ -81,6 +82,8 @@ def _recurrence(dA, dBx, h, hs):
         return _recurrence_loop(dA, dBx, h, hs)
     key = (tuple(dA.shape), tuple(h.shape), dA.dtype, h.dtype, dA.device)
     if key not in _GRAPHS:
+        if len(_GRAPHS) >= GRAPH_CACHE:             # each holds ~4 blocks of buffers: keep the latest few
+            del _GRAPHS[next(iter(_GRAPHS))]
         _GRAPHS[key] = _capture(dA, dBx, h)
     graph, s_dA, s_dBx, s_h, s_hs = _GRAPHS[key]
     s_dA.copy_(dA)
