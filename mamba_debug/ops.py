@@ -83,7 +83,9 @@ def _recurrence(dA, dBx, h, hs):
     key = (tuple(dA.shape), tuple(h.shape), dA.dtype, h.dtype, dA.device)
     if key not in _GRAPHS:
         if len(_GRAPHS) >= GRAPH_CACHE:             # each holds ~4 blocks of buffers: keep the latest few
-            del _GRAPHS[next(iter(_GRAPHS))]
+            oldest = next(iter(_GRAPHS))
+            torch.cuda.synchronize(oldest[-1])      # no replay of it still running when it goes
+            del _GRAPHS[oldest]
         _GRAPHS[key] = _capture(dA, dBx, h)
     graph, s_dA, s_dBx, s_h, s_hs = _GRAPHS[key]
     s_dA.copy_(dA)
