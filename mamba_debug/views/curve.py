@@ -9,9 +9,9 @@ import numpy as np
 
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
-from .base import (BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, View, ViewState, fresh_axes, hatch_columns,
-                   mark_device_boundaries, mark_ubatches, message, not_observed_patch, observed_rows, site_errors,
-                   thresholds)
+from .base import (BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState, clear_axes,
+                   fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message, not_observed_patch,
+                   observed_rows, site_errors, thresholds)
 
 METRIC_LABELS = {"rel_l2": "relative L2 error  ||dev - ref|| / ||ref||", "max_abs": "max |dev - ref|",
                  "nmse": "NMSE  mse(dev, ref) / mse(ref, 0)", "cosine": "1 - cosine(dev, ref)  (0 = same direction)"}
@@ -59,7 +59,7 @@ def _plot_series(ax, x, y, thr, label):
 def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2", seq=0):
     """Error per layer at one token (None: worst token); for a model-level site, error per token instead."""
     from matplotlib.lines import Line2D  # noqa: PLC0415
-    ax.clear()
+    clear_axes(ax)
     err = _values(site_errors(res, site, metric, seq), metric)
     thr_all = thresholds(res, site) if metric == "rel_l2" else None
     seen = observed_rows(res, site)
@@ -131,15 +131,17 @@ class CurveView(View):
             ax.yaxis.set_minor_locator(NullLocator())
         err = site_errors(res, v.site, v.metric, v.seq)
         if v.site in MODEL_SITES:
-            ax.set_title(f"'{v.site}' {v.metric} per token (a model-level site), seq {v.seq}", fontsize=10)
+            ax.set_title(f"'{v.site}' {v.metric} per token (a model-level site), seq {v.seq}", fontsize=10,
+                         y=TITLE_Y)
             return err[0]
         if token is None:
-            ax.set_title(f"'{v.site}' {v.metric} per layer at the worst token, seq {v.seq}", fontsize=10)
+            ax.set_title(f"'{v.site}' {v.metric} per layer at the worst token, seq {v.seq}", fontsize=10,
+                         y=TITLE_Y)
             with np.errstate(all="ignore"):
                 return np.array([np.nanmax(r) if (~np.isnan(r)).any() else np.nan for r in err])
         info = res.token_info[token]
         ax.set_title(f"'{v.site}' {v.metric} per layer at token {token} ({info.phase}, ubatch {info.ubatch}), "
-                     f"seq {v.seq}", fontsize=10)
+                     f"seq {v.seq}", fontsize=10, y=TITLE_Y)
         return err[:, token]
 
     def report_states(self, res: CompareResult) -> list:

@@ -7,10 +7,9 @@ import numpy as np
 
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
-from .base import (BOUNDARY, FIRST_DIV, SPECIAL_LOOKS, View, ViewState, add_colorbar, fresh_axes, mark_ubatches,
-                   mark_device_boundaries,
-                   observed_rows, ratio_colorbar, ratio_norm, site_errors, special_handles, special_overlay,
-                   thresholds)
+from .base import (BOUNDARY, FIRST_DIV, SPECIAL_LOOKS, TITLE_Y, View, ViewState, add_colorbar, clear_axes,
+                   fresh_axes, mark_device_boundaries, mark_ubatches, observed_rows, ratio_colorbar, ratio_norm,
+                   site_errors, special_handles, special_overlay, thresholds)
 
 
 def error_image(res: CompareResult, site: str, metric: str, seq: int):
@@ -32,7 +31,7 @@ def error_image(res: CompareResult, site: str, metric: str, seq: int):
 def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorbar=True, legend=True):
     """Error / threshold (rel_l2) per layer x token; other metrics on their own log scale (no threshold)."""
     img, err, ratio = error_image(res, site, metric, seq)
-    ax.clear()
+    clear_axes(ax)
     model_level = site in MODEL_SITES
     if ratio:
         im = ax.imshow(img, aspect="auto", origin="lower", cmap="RdBu_r", norm=ratio_norm(),
@@ -65,7 +64,7 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
     else:
         ax.set_ylabel("layer")
     what = "error / threshold" if ratio else ("1 - cosine" if metric == "cosine" else metric) + " (no threshold)"
-    ax.set_title(f"'{site}' {what}, layer x token, seq {seq}", fontsize=10)
+    ax.set_title(f"'{site}' {what}, layer x token, seq {seq}", fontsize=10, y=TITLE_Y)
     if colorbar:
         if ratio:
             ratio_colorbar(ax, im)

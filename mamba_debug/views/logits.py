@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..trace import CompareResult
-from .base import EXACT_ZERO, FIRST_DIV, NAN_INF, View, ViewState, fresh_axes, mark_ubatches
+from .base import (EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState, clear_axes, fresh_axes,
+                   mark_ubatches)
 
 
 def logits_curve(res: CompareResult, ax, seq=0):
     from matplotlib.lines import Line2D  # noqa: PLC0415
-    ax.clear()
+    clear_axes(ax)
     kld = res.logits["kld"][seq].numpy().astype(float)
     x = np.arange(len(kld))
     pos = np.isfinite(kld) & (kld > 0)
@@ -38,7 +39,7 @@ def logits_curve(res: CompareResult, ax, seq=0):
     ax.set_xlim(-0.5, len(kld) - 0.5)
     ax.set_xlabel("token  (dotted: ubatch boundary, blue: prompt | generated)", fontsize=8)
     ax.set_ylabel("KLD (nats)")
-    ax.set_title("logits: KL divergence per token")
+    ax.set_title("logits: KL divergence per token", y=TITLE_Y)
     ax.legend(handles=handles, fontsize=7, loc="best", framealpha=0.85)
     return ax
 
@@ -54,7 +55,7 @@ class LogitsView(View):
         """KLD per token of the chosen sequence; returns it."""
         ax = fresh_axes(fig, left=0.08, right=0.98, bottom=0.2, top=0.88)
         logits_curve(res, ax, seq=v.seq)
-        ax.set_title(f"logits: KL divergence per token, seq {v.seq}", fontsize=10)
+        ax.set_title(f"logits: KL divergence per token, seq {v.seq}", fontsize=10, y=TITLE_Y)
         return res.logits["kld"][v.seq].numpy()
 
     def report_states(self, res: CompareResult) -> list:

@@ -16,7 +16,8 @@ import numpy as np
 
 from ..arch import LAYER_TYPES
 from ..trace import CompareResult
-from .base import EXACT_ZERO, NOT_OBSERVED, View, ViewState, add_colorbar, fresh_axes, message
+from .base import (EXACT_ZERO, NOT_OBSERVED, TITLE_Y, View, ViewState, add_colorbar, clear_axes, fresh_axes,
+                   message)
 
 # Every state a layer type declares, the SSM state first (the top row)
 STATE_NAMES = tuple(sorted({spec.name for lt in LAYER_TYPES.values() for spec in lt.states},
@@ -95,7 +96,7 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
     if got is False:
         got = state_arrays(res, layer, token, which, seq)
     for ax in axes:
-        ax.clear()
+        clear_axes(ax)
     if got is None:
         for ax in axes:
             _missing(res, ax, layer, which)
@@ -106,7 +107,7 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
     for ax, arr, name in [(axes[0], ref, "reference"), (axes[1], dev, "device")]:
         im = ax.imshow(arr, aspect="auto", cmap="PuOr_r", vmin=-lim, vmax=lim, interpolation="nearest")
         add_colorbar(ax, im).ax.tick_params(labelsize=7)
-        ax.set_title(f"{name}", fontsize=9)
+        ax.set_title(f"{name}", fontsize=9, y=TITLE_Y)
     dmax = float(np.abs(diff).max())
     rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
     ax = axes[2]
@@ -114,13 +115,13 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
         ax.imshow(np.zeros(diff.shape + (3,)) + np.array([0.72, 0.88, 0.53]), aspect="auto", interpolation="nearest")
         ax.text(0.5, 0.5, "identical\n(difference exactly 0)", ha="center", va="center", transform=ax.transAxes,
                 fontsize=10, bbox=dict(fc="white", ec=EXACT_ZERO, alpha=0.9))
-        ax.set_title("device - reference", fontsize=9)
+        ax.set_title("device - reference", fontsize=9, y=TITLE_Y)
     else:
         im = ax.imshow(diff, aspect="auto", cmap="RdBu_r", vmin=-dmax, vmax=dmax, interpolation="nearest")
         # each tick its own number (no "1e-6" offset above the bar, where it runs into the title)
         add_colorbar(ax, im, format="%.1g" if dmax >= 1e-3 else "%.0e").ax.tick_params(labelsize=7)
         ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
-                     color="tab:red" if rel > 1e-4 else "black")
+                     color="tab:red" if rel > 1e-4 else "black", y=TITLE_Y)
     for a in axes:
         a.set_xlabel(_AXES.get(which, "state"), fontsize=8)
         from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
@@ -163,7 +164,7 @@ def _update_row(axes, got, which: str) -> np.ndarray:
         im.set_data(diff)
         im.set_clim(-dmax, dmax)
         ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
-                     color="tab:red" if rel > 1e-4 else "black")
+                     color="tab:red" if rel > 1e-4 else "black", y=TITLE_Y)
     axes[0].set_ylabel(_ylabel(which, shown, how), fontsize=8)
     return diff
 

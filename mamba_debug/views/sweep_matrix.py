@@ -12,7 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from .base import EXACT_ZERO, NAN_INF, SPECIAL_LOOKS, View, add_colorbar, fresh_axes, message
+from .base import (EXACT_ZERO, NAN_INF, SPECIAL_LOOKS, TITLE_Y, View, add_colorbar, clear_axes, fresh_axes,
+                   message)
 
 KLD_RANGE = (1e-6, 10.0)            # the colour bar's fixed range (mean KLD); beyond it the end colours
 KLD_CMAP = "YlOrRd"
@@ -38,7 +39,7 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
     layer and token; clean, not-run and NaN/Inf cells in their own looks."""
     from matplotlib.colors import LogNorm, to_rgba  # noqa: PLC0415
     from matplotlib.patches import Patch, Rectangle  # noqa: PLC0415
-    ax.clear()
+    clear_axes(ax)
     offs, ubs = list(sweep["offloads"]), list(sweep["ubatches"])
     seqs = sweep.get("n_seqs") or [None]
     n_seqs = seqs[0] if n_seqs is None else n_seqs
@@ -83,7 +84,7 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
     ax.set_xlabel("ubatch (-ub)")
     ax.set_ylabel("offload (-ngl)")
     ax.set_title(title if title is not None else "first divergence (layer, token) and mean KLD per configuration"
-                 + ("" if n_seqs is None else f", {n_seqs} sequence(s)"), fontsize=9)
+                 + ("" if n_seqs is None else f", {n_seqs} sequence(s)"), fontsize=9, y=TITLE_Y)
     if colorbar:
         cb = add_colorbar(ax, im)
         cb.set_label("mean KLD of a diverged cell (log)", fontsize=8)
