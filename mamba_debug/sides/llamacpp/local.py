@@ -121,8 +121,10 @@ class LocalErrors:
     FP32 floor, a TF32 node past TF32_LIMIT); and the reduced-precision nodes whose error the FP32 threshold would
     not excuse (`excused`)."""
 
-    def __init__(self, k_floor: float):
+    def __init__(self, k_floor: float, device=None):
         self.k = k_floor
+        self.device = device            # a torch device for MUL_MAT's recompute (cuda: see _mul_mat_error)
+        self._on_device: dict = {}      # id of a weight's float64 array -> (the array, its tensor on `device`)
         self.worst: dict = {}
         self.first = self.fault = None
         self.excused: dict = {}
@@ -135,11 +137,9 @@ class LocalErrors:
         self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
         if node.op not in OPS or any(a is None for a in srcs):
             return
-        want = recompute(node.op, [a.astype(np.float64, copy=False) for a in srcs], got.shape,
-                         node.extra.get("op_params", ()))
-        if want is None or want.shape != got.shape:
+        err = self._error(node, srcs, got)
+        if err is None:
             return
-        err = rel_l2(got.astype(np.float64), want)
         site = node.site or node.op
         key = f"{'head' if node.layer is None else node.layer}.{site}"
         self.worst[key] = max(self.worst.get(key, 0.0), err)
@@ -155,6 +155,44 @@ class LocalErrors:
             old = self.excused.get((key, path))
             if old is None or err > old["error"]:
                 self.excused[(key, path)] = {**where, "floor": TF32_FLOOR, "limit": limit, "index": node.index}
+
+    def _error(self, node, srcs: list, got: np.ndarray):
+        """The node's local rel. L2, or None where it is not recomputed."""
+        if node.op == "MUL_MAT" and self.device is not None:
+            return self._mul_mat_error(srcs, got)
+        want = recompute(node.op, [a.astype(np.float64, copy=False) for a in srcs], got.shape,
+                         node.extra.get("op_params", ()))
+        if want is None or want.shape != got.shape:
+            return None
+        return rel_l2(got.astype(np.float64), want)
+
+    def _mul_mat_error(self, srcs: list, got: np.ndarray):
+        """MUL_MAT recomputed in float64 by torch on `device`: on a GPU a 2.8B model's matmuls take ~0.1 ms there
+        against 10-100 ms each in numpy (the float64 weights stream from host memory every ubatch), which made a
+        CUDA run at -ub 1 take minutes. The same sums in float64 as `recompute`, to ~1e-15."""
+        import torch  # noqa: PLC0415 (only on this path)
+        w, x = (self._tensor(a) for a in srcs[:2])
+        for ax in (0, 1):                       # ggml's broadcast of w's ne3/ne2 over x's, as in `recompute`
+            if w.shape[ax] != x.shape[ax]:
+                if w.shape[ax] == 0 or x.shape[ax] % w.shape[ax]:
+                    return None
+                w = w.repeat_interleave(x.shape[ax] // w.shape[ax], dim=ax)
+        want = torch.matmul(x, w.transpose(-1, -2))
+        if tuple(want.shape) != got.shape:
+            return None
+        num = float((torch.from_numpy(got).to(want.device, torch.float64) - want).norm())
+        den = float(want.norm())
+        return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+    def _tensor(self, a: np.ndarray):
+        """a as a float64 tensor on `device`; a weight (1 MB or more: the same array every ubatch) is moved once."""
+        import torch  # noqa: PLC0415
+        if a.nbytes < 1 << 20:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, torch.float64)
+        hit = self._on_device.get(id(a))
+        if hit is None or hit[0] is not a:
+            hit = self._on_device[id(a)] = (a, torch.from_numpy(np.ascontiguousarray(a)).to(self.device, torch.float64))
+        return hit[1]
 
     def to_dict(self) -> dict:
         return {"floor": FP32_FLOOR, "threshold": self.k * FP32_FLOOR, "tf32_limit": TF32_LIMIT,

@@ -67,7 +67,7 @@ class LlamaCppSide:
         self.u = -1
         self.n_seqs, self.n_slots, self.first_seq = None, None, 0
         # on CUDA the local errors are what tells TF32 precision from a fault (precision.py): always measured there
-        self.local = LocalErrors(s.k_floor) if s.local or s.device == "cuda" else None
+        self.local = LocalErrors(s.k_floor, device=_local_device(s)) if s.local or s.device == "cuda" else None
         self.kinds = layer_kinds(self.cfg)
         self.tracer = None
         self._load()
@@ -247,7 +247,7 @@ class LlamaCppSide:
         fd = res.first_divergence
         if fd is None:
             return fd, None
-        self.local = LocalErrors(self.s.k_floor)
+        self.local = LocalErrors(self.s.k_floor, device=_local_device(self.s))
         try:
             same = self._replay_until(fd)
             self.info.extra["local_replay"] = {"until_ubatch": fd["ubatch"], "same_bits": same, **self.local.to_dict()}
@@ -367,6 +367,11 @@ class LlamaCppSide:
             out[(layer, site)] = (torch.from_numpy(np.array(v)), site not in ("conv_state", "ssm_state"))
         out[(None, "logits")] = (logits, True)
         return out
+
+
+def _local_device(s) -> Optional[str]:
+    """Where MUL_MAT's local errors are recomputed: on the GPU for a CUDA run when torch sees one, else numpy."""
+    return "cuda" if s.device == "cuda" and torch.cuda.is_available() else None
 
 
 SPLIT_MODE_LAYER = 1        # LLAMA_SPLIT_MODE_LAYER
