@@ -46,7 +46,7 @@ from mamba_debug.sides import Capture as _Capture  # noqa: E402
 from mamba_debug.compare import (CompareSettings, comparison_gpu_bytes, run_compare,  # noqa: E402
                                  ubatch_capture_bytes)
 from mamba_debug.config import MambaConfig  # noqa: E402
-from mamba_debug.metrics import METRICS, site_errors  # noqa: E402
+from mamba_debug.metrics import METRICS, site_errors_many  # noqa: E402
 from mamba_debug.model import MambaModel, Runner  # noqa: E402
 from mamba_debug.ops import OpTable  # noqa: E402
 from mamba_debug.arch import param_shapes as expected_shapes  # noqa: E402
@@ -231,17 +231,14 @@ class PageableCapture(_Capture):
 
 def metrics_on_device(values: dict):
     """What capture='metrics' does per site with the reference on the GPU, through the engine's own metric path:
-    `site_errors` (on CUDA the fused Triton kernel of mamba_debug/_site_metrics.py, one launch per site, or two for
-    a state taken at the ubatch's end) on each site as the engine's Accumulator hands it over (v[:, None] for a value
-    taken once per ubatch), all four metrics kept on the device, one transfer per ubatch, nothing else kept.
-    This run has no reference side, so each site is compared with itself: the kernel reads it twice (the second
-    read partly from cache), where the engine reads a distinct float32 or float64 reference and also takes the
-    float32-vs-float64 floor once per site; benchmarks/site_metrics_bench.py times those pairs."""
-    out = []
-    for v, per_token in values.values():
-        a = v if per_token else v[:, None]
-        e = site_errors(a, a)
-        out += [e[m].flatten() for m in METRICS]
+    `site_errors_many` (as the engine's Accumulator calls it: on CUDA the sites of one shape stacked into one launch
+    of the fused Triton kernel of mamba_debug/_site_metrics.py) on each site as the Accumulator hands it over
+    (v[:, None] for a value taken once per ubatch), all four metrics kept on the device, one transfer per ubatch,
+    nothing else kept. This run has no reference side, so each site is compared with itself: the kernel reads it
+    twice (the second read partly from cache), where the engine reads a distinct float32 or float64 reference and
+    also takes the float32-vs-float64 floor once per site; benchmarks/site_metrics_bench.py times those pairs."""
+    pairs = [(a, a) for a in (v if per_token else v[:, None] for v, per_token in values.values())]
+    out = [e[m].flatten() for e in site_errors_many(pairs) for m in METRICS]
     return torch.cat(out).cpu()          # one transfer per ubatch: only metrics reach the host
 
 
@@ -268,8 +265,9 @@ def tracing_levels(dev) -> list[dict]:
         {**level, "what": "hook that keeps nothing; SSM states at ubatch ends only", "backend": no_states_out,
          "tap": Tap()},
         {**level, "what": "hook that keeps nothing; per-token SSM states (states_out)", "tap": Tap()},
-        {**level, "what": "capture='metrics' device half: every site copied on the device, site_errors per site "
-                          f"({'fused Triton kernel' if CUDA else 'torch version on the CPU'}), then dropped",
+        {**level, "what": "capture='metrics' device half: every site copied on the device, site_errors_many "
+                          f"({'fused Triton kernel, one launch per shape' if CUDA else 'torch version on the CPU'}), "
+                          "then dropped",
          "tap": Tap(gpu), "after": lambda: metrics_on_device(gpu.take())},
         {**level, "what": "keep resid, y_scan (every layer) and logits on the device for the whole prefill",
          "tap": Tap(keep, {"resid", "y_scan", "logits"}), "keep": keep},
