@@ -1,0 +1,99 @@
+"""Issue #18's goals against the recorded figures: one bar per goal, measured / goal (1 = at the goal, left of it
+met), drawn from benchmarks/results/*.json. Writes docs/figures/speed_goals.png and prints the table the README
+shows.   python3 benchmarks/plot_goals.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RES = ROOT / "benchmarks" / "results"
+
+
+def _load(name):
+    p = RES / name
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def goals() -> list:
+    """(goal, measured, goal value, unit, where): only what is recorded."""
+    out = []
+    e2e = _load("gpu_e2e.json")
+    if e2e:
+        rows = e2e["rows"]
+        tr = next((r for r in rows if r["part"] == "tracing" and "capture='metrics'" in r["what"]), None)
+        if tr:
+            out.append(("1 metrics-only tracing, 2.8B (H200)", tr["ratio"], 1.1, "x untraced", tr.get("date")))
+        runs = [r for r in rows if r["part"] == "e2e" and "reference on cuda" in r["what"]]
+        best = min((r for r in runs if r["peak_gpu_bytes"] <= 48e9), key=lambda r: r["seconds"], default=None)
+        if best:
+            out.append(("2 2.8B x 2048 compare, time (H200, warm)", best["seconds"], 20, "s", best.get("date")))
+            out.append(("2 2.8B x 2048 compare, GPU memory", best["peak_gpu_bytes"] / 1e9, 48, "GB", best.get("date")))
+    eng = _load("engine_cpu.json")
+    if eng:
+        for r in eng["rows"]:
+            if r["what"].startswith("compare") and "kernels triton" in r["what"]:
+                out.append(("3 CPU compare (shipped model)", r["seconds"], 3, "s", eng["date"]))
+            if r["what"].startswith("sweep"):
+                out.append(("3 CPU full sweep", r["seconds"], 60, "s", eng["date"]))
+    dash = _load("dashboard_cpu.json")
+    if dash:
+        worst = max(v["total"] for k, v in dash["first_result_ms"].items() if "start" not in k)
+        out.append(("3 dashboard control, new setting (worst)", worst / 1e3, 1, "s", dash.get("date")))
+    h = _load("h200.json")
+    if h:
+        def row(op, mode, b):
+            return next((r for r in h["rows"] if r["op"] == op and r["mode"] == mode and r["impl"] == "triton"
+                         and r["d_inner"] == 5120 and r["batch"] == b and r["L"] in (2048, 1)), None)
+        for b, g in ((1, 3), (8, 2)):
+            r = row("ssm_scan", "prefill", b)
+            if r:
+                out.append((f"4 prefill scan / its floor, batch {b}", r["time_us"] / r["floor_us"], g, "x floor",
+                            h["meta"]["date"]))
+        r = row("ssm_conv", "prefill", 1)
+        if r:
+            out.append(("4 prefill conv, batch 1", r["time_us"], 27.1, "us", h["meta"]["date"]))
+        r = row("ssm_scan", "decode", 64)
+        if r and r.get("reference_us"):
+            out.append(("4 decode scan / selective_state_update, b 64", r["time_us"] / r["reference_us"], 1, "x",
+                        h["meta"]["date"]))
+    lc = _load("llamacpp_cpu.json")
+    if lc:
+        rows = lc["runs"].get("after", {}).get("rows", [])
+        if rows:
+            out.append(("5 llama.cpp tracing, CPU (worst setting)", max(r["ratio"] for r in rows), 2, "x untraced",
+                        lc["runs"]["after"].get("date")))
+    return out
+
+
+def main():
+    g = goals()
+    print("| goal | now | target | status (recorded) |\n|---|---|---|---|")
+    for name, v, goal, unit, date in g:
+        print(f"| {name} | {v:.3g} {unit} | {goal:g} {unit} | {'met' if v <= goal else 'not met'} ({date}) |")
+    fig, ax = plt.subplots(figsize=(7.5, 0.36 * len(g) + 1.0), dpi=120)
+    ratios = [v / goal for _, v, goal, _, _ in g]
+    ys = range(len(g))[::-1]
+    ax.barh(list(ys), ratios, color=["#3b7d3b" if r <= 1 else "#b8512e" for r in ratios], height=0.6)
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_xscale("log")
+    ax.set_yticks(list(ys), [name for name, *_ in g], fontsize=8)
+    for y, r, (_, v, goal, unit, _) in zip(ys, ratios, g):
+        ax.text(max(r, 1.0) * 1.06, y, f"{v:.3g} {unit} (goal {goal:g})", va="center", fontsize=7)
+    ax.set_xlim(0.3, max(ratios + [1.0]) * 4)
+    ax.set_xlabel("measured / goal (left of the line: met)")
+    ax.set_title("issue #18: time to answer, against its goals", fontsize=9)
+    fig.subplots_adjust(left=0.42, right=0.98, top=0.92, bottom=0.12)
+    out = ROOT / "docs" / "figures" / "speed_goals.png"
+    fig.savefig(out)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
