@@ -68,7 +68,7 @@ def _tiny(out: Path):
     return model, model.encode(PROMPT)
 
 
-def _big(out: Path):
+def _big(out: Path, n_prompt: int = 40):
     """A random Mamba-1 shaped like mamba-2.8b (64 layers, d_model 2560), written as an f32 GGUF (11 GB)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_e2e import BIG, mamba_ssm_params  # noqa: PLC0415
@@ -80,7 +80,7 @@ def _big(out: Path):
     del model
     model = md.load_model(gguf)
     print(f"2.8B-shaped GGUF written and loaded in {time.perf_counter() - t0:.0f} s", flush=True)
-    return model, [(7 * i + 3) % cfg.vocab_size for i in range(40)]
+    return model, [(7 * i + 3) % cfg.vocab_size for i in range(n_prompt)]
 
 
 def _max_logit_err(res) -> float:
@@ -92,12 +92,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=("smoke", "grid", "big", "three"))
     ap.add_argument("--offloads", default="all,0", help="big: the -ngl values (all, half or a number)")
+    ap.add_argument("--ubatches", default="512", help="big: the -ub values")
+    ap.add_argument("--seqs", default="1", help="big: the numbers of sequences")
+    ap.add_argument("--prompt-tokens", type=int, default=40, help="big: prompt length (short keeps -ub 1 cheap)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new cell after this many seconds (the rows so far are written)")
     ap.add_argument("--out", default="out/llamacpp_h200")
     ap.add_argument("--lib", default=str(ROOT / "build/llama-cuda/bin"))
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, ids = (_big(out) if a.mode == "big" else _tiny(out))
+    t_start = time.perf_counter()
+    model, ids = (_big(out, a.prompt_tokens) if a.mode == "big" else _tiny(out))
     n = model.config.n_layer
     rows = []
     if a.mode == "smoke":
@@ -112,9 +118,13 @@ def main():
                 for S in (1, 3)]
     else:
         ngls = {"all": n + 1, "half": n // 2}
-        grid = [dict(device="cuda", offload=ngls.get(v, None) if v in ngls else int(v), ubatch=512, n_seqs=1,
-                     local=True, ref_device="cuda") for v in a.offloads.split(",")]
+        grid = [dict(device="cuda", offload=ngls[v] if v in ngls else int(v), ubatch=int(ub), n_seqs=int(S),
+                     local=True, ref_device="cuda")
+                for v in a.offloads.split(",") for ub in a.ubatches.split(",") for S in a.seqs.split(",")]
     for kw in grid:
+        if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
+            print(f"budget of {a.budget_s:.0f} s spent: {len(grid) - len(rows)} cell(s) not run", flush=True)
+            break
         try:
             row = (three_cell if a.mode == "three" else cell)(model, ids, llama_lib=a.lib, **kw)
         except Exception as exc:  # noqa: BLE001 (a benchmark row records what failed and goes on)
