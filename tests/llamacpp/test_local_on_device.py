@@ -38,3 +38,17 @@ def test_an_impossible_broadcast_is_not_recomputed():
     le = LocalErrors(10.0, device="cpu")
     le.add(_node((8, 2, 4, 1)), [w, x], np.ones((1, 4, 2, 8), dtype=np.float32), 0)
     assert le.worst == {}
+
+
+def test_a_weight_that_does_not_fit_is_recomputed_on_the_host(monkeypatch):
+    """No room on the GPU for a float64 weight: numpy recomputes that node (the same sums), and the result says
+    where each MUL_MAT was recomputed."""
+    import mamba_debug.sides.llamacpp.local as local
+    monkeypatch.setattr(local, "_fits", lambda device, nbytes: False)
+    rng = np.random.default_rng(1)
+    w, x = rng.standard_normal((1, 1, 512, 256)), rng.standard_normal((1, 1, 3, 256)).astype(np.float32)
+    got = np.matmul(x.astype(np.float64), np.swapaxes(w, -1, -2)).astype(np.float32)
+    le = LocalErrors(10.0, device="cpu")
+    le.add(_node((512, 3, 1, 1)), [w, x], got, 0)
+    assert le.worst["0.xz"] < 1e-6 and le._on_device == {}
+    assert le.to_dict()["mul_mat_recomputed_on"] == {"cpu": 0, "host": 1}

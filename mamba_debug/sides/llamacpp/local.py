@@ -101,6 +101,20 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
+NO_ROOM = object()              # _mul_mat_error: the weight does not fit on the device: recompute on the host
+GPU_MARGIN = 2 << 30            # bytes left free on the GPU for llama.cpp and torch after a weight is moved
+
+
+def _fits(device, nbytes: int) -> bool:
+    """Does a float64 weight of nbytes fit on a CUDA device with GPU_MARGIN to spare (a 2.8B model's float64 weights
+    are 23 GB: on a small GPU they stay on the host)?"""
+    import torch  # noqa: PLC0415
+    if torch.device(device).type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return nbytes + GPU_MARGIN <= free
+
+
 def path_of(node) -> str:
     """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32; on CUDA
     an f32 MUL_MAT of <= 3 columns runs the FP32 vector kernel, 4..16 columns the TF32 mmf tile kernel, more cuBLAS
@@ -125,6 +139,7 @@ class LocalErrors:
         self.k = k_floor
         self.device = device            # a torch device for MUL_MAT's recompute (cuda: see _mul_mat_error)
         self._on_device: dict = {}      # id of a weight's float64 array -> (the array, its tensor on `device`)
+        self.mul_mat_on = {str(device): 0, "host": 0} if device is not None else {"host": 0}
         self.worst: dict = {}
         self.first = self.fault = None
         self.excused: dict = {}
@@ -159,7 +174,11 @@ class LocalErrors:
     def _error(self, node, srcs: list, got: np.ndarray):
         """The node's local rel. L2, or None where it is not recomputed."""
         if node.op == "MUL_MAT" and self.device is not None:
-            return self._mul_mat_error(srcs, got)
+            err = self._mul_mat_error(srcs, got)
+            if err is not NO_ROOM:
+                self.mul_mat_on[str(self.device)] += 1
+                return err
+            self.mul_mat_on["host"] += 1         # the weight does not fit on the GPU in float64: numpy, the same sums
         want = recompute(node.op, [a.astype(np.float64, copy=False) for a in srcs], got.shape,
                          node.extra.get("op_params", ()))
         if want is None or want.shape != got.shape:
@@ -172,6 +191,8 @@ class LocalErrors:
         CUDA run at -ub 1 take minutes. The same sums in float64 as `recompute`, to ~1e-15."""
         import torch  # noqa: PLC0415 (only on this path)
         w, x = (self._tensor(a) for a in srcs[:2])
+        if w is None or x is None:
+            return NO_ROOM
         for ax in (0, 1):                       # ggml's broadcast of w's ne3/ne2 over x's, as in `recompute`
             if w.shape[ax] != x.shape[ax]:
                 if w.shape[ax] == 0 or x.shape[ax] % w.shape[ax]:
@@ -191,10 +212,13 @@ class LocalErrors:
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, torch.float64)
         hit = self._on_device.get(id(a))
         if hit is None or hit[0] is not a:
+            if not _fits(self.device, a.size * 8):
+                return None
             hit = self._on_device[id(a)] = (a, torch.from_numpy(np.ascontiguousarray(a)).to(self.device, torch.float64))
         return hit[1]
 
     def to_dict(self) -> dict:
         return {"floor": FP32_FLOOR, "threshold": self.k * FP32_FLOOR, "tf32_limit": TF32_LIMIT,
+                "mul_mat_recomputed_on": dict(self.mul_mat_on),
                 "first_over": self.first, "first_fault": self.fault,
                 "max_per_node": {k: v for k, v in self.worst.items()}}
