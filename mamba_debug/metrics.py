@@ -65,7 +65,7 @@ def _fused_module(interpret: bool):
         return exec_file(path, name)
 
 
-def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor, _rows_per_pair=None) -> dict[str, torch.Tensor]:
+def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
     """The reference implementation of `site_errors` in plain torch float64 ops (what runs on the CPU)."""
     a = dev.detach().to(ref.device, torch.float64).reshape(dev.shape[0], dev.shape[1], -1)
     b = ref.detach().to(torch.float64).reshape(ref.shape[0], ref.shape[1], -1)
@@ -117,7 +117,7 @@ def site_errors_many(pairs: list) -> list:
             if len(part) == 1:
                 out[part[0]] = site_errors(*pairs[part[0]])
                 continue
-            measure = _fused_stacked if how == "fused" else _site_errors_torch
+            measure = _fused_stacked if how == "fused" else lambda d, r, _: _site_errors_torch(d, r)
             for i, e in zip(part, _stacked([pairs[i] for i in part], measure)):
                 out[i] = e
     return out
