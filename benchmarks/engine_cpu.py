@@ -8,10 +8,13 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))      # this checkout's code, whatever checkout an editable install points at
 
 import torch  # noqa: E402
 

@@ -1,5 +1,7 @@
-import os, json, torch
+import os, json, sys, torch
+from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # this checkout's code
 import mamba_debug as md
 from mamba_debug import ops
 k = md.load_kernels("triton", "cuda")
