@@ -147,6 +147,7 @@ class GraphMap:
         self.count: dict = {}               # (layer, op) -> nodes of that op so far
         self.roles: dict = {}               # address -> DESIGN site of already mapped nodes
         self.copies: dict = {}              # address of a scheduler copy -> the name of what it copies
+        self._named: dict = {}              # name -> the nodes of that name, in graph order
 
     def src_name(self, addr: int) -> str:
         """A source's name; for the scheduler's copy of a tensor for another backend ("CUDA0#blk.0.ssm_in.weight#0",
@@ -167,7 +168,7 @@ class GraphMap:
     def named(self, name: str) -> list:
         """The nodes of this graph with that name. Names are not unique: views are " (view)" or "node_36 (view)"
         (the scan's y and its state are both views of the scan), so a copy may be of any of them."""
-        return [n for n in self.nodes.values() if n.name == name]
+        return self._named.get(name, [])
 
     def sources(self, addr: int) -> list:
         """The node(s) a source may be: itself, or for a scheduler copy every node of the name it copies."""
@@ -180,6 +181,7 @@ class GraphMap:
         node.layer, weight, cache = self._layer(node)
         node.extra["weight"] = weight
         self.nodes[node.addr] = node
+        self._named.setdefault(node.name, []).append(node)
         op = node.op
         kind = self.kind(node.layer)
         if kind != "mamba1":                # maps.py: the layer types beyond Mamba-1
