@@ -20,15 +20,12 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh")
 
 import mamba_debug as md  # noqa: E402
-from mamba_debug.compare import run_compare  # noqa: E402
 from mamba_debug.io import export_gguf, load_model  # noqa: E402
-from mamba_debug.settings import RunSettings  # noqa: E402
-from mamba_debug.sides.llamacpp import side as lside  # noqa: E402
 from mamba_debug.views.summary import to_json  # noqa: E402
+from test_llamacpp_side import compare as compare_side  # noqa: E402 (one lock-step run for both files)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "It was a fine morning in the country, and Mr. Darcy"
-N_GEN = 2
 MODELS = ("tiny-mamba2", "tiny-granite-hybrid")
 
 
@@ -51,13 +48,9 @@ def subjects(tmp_path_factory):
 
 
 def compare(subject, ubatch, n_seqs, fault=None, **kw):
-    _, model, ids, _ = subject
-    lside.FAULT = fault
-    try:
-        return run_compare(model, ids, RunSettings(engine="llama.cpp", device="cpu", ubatch=ubatch, n_seqs=n_seqs,
-                                                   n_gen=N_GEN, **kw))
-    finally:
-        lside.FAULT = None
+    """test_llamacpp_side's lock-step run (its N_GEN and fault hook) on this file's subjects."""
+    _, model, ids, path = subject
+    return compare_side((model, ids, path), ubatch, n_seqs, fault, **kw)
 
 
 @pytest.mark.parametrize("name", MODELS)
