@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,10 +29,40 @@ N_GEN = 4
 PROMPT = "It was a fine morning in the country, and Mr. Darcy had gone out early to walk along the river with his"
 
 
-def cell(model, ids, **kw) -> dict:
+class MemoryPeak:
+    """Peak memory of one cell: the GPU's (device-wide, so llama.cpp's own allocations count, sampled every 20 ms
+    by a thread) and this process's resident host memory (the kernel's high-water mark, never reset)."""
+
+    def __init__(self):
+        self.gpu, self._stop = 0, threading.Event()
+
+    def __enter__(self):
+        import torch  # noqa: PLC0415
+        self._free_total = torch.cuda.mem_get_info if torch.cuda.is_available() else None
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while self._free_total is not None and not self._stop.is_set():
+            free, total = self._free_total()
+            self.gpu = max(self.gpu, total - free)
+            self._stop.wait(0.02)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def row(self) -> dict:
+        return {"peak_gpu_used_gb": round(self.gpu / 1e9, 2),
+                "peak_host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+
+
+def cell(model, ids, n_gen=N_GEN, **kw) -> dict:
     t0 = time.perf_counter()
-    res = run_compare(model, ids, RunSettings(engine="llama.cpp", reference="float64", n_gen=N_GEN, capture="metrics",
-                                              **kw))
+    with MemoryPeak() as mem:
+        res = run_compare(model, ids, RunSettings(engine="llama.cpp", reference="float64", n_gen=n_gen,
+                                                  capture="metrics", **kw))
     j = to_json(res)
     lc = j["config"].get("llama_cpp", {})
     paths = collections.Counter((n["backend"], n["path"]) for n in lc.get("nodes", []) if n["op"] == "MUL_MAT")
@@ -45,7 +77,7 @@ def cell(model, ids, **kw) -> dict:
             "matmul_paths": {f"{b}:{p}": c for (b, p), c in paths.items()},
             "local_first_over": (lc.get("local") or {}).get("first_over"),
             "observer_bitwise": oe.get("logits_bitwise_identical"), "traced_s": oe.get("traced_s"),
-            "untraced_s": oe.get("untraced_s")}
+            "untraced_s": oe.get("untraced_s"), "n_gen": n_gen, **mem.row()}
 
 
 def three_cell(model, ids, **kw) -> dict:
@@ -75,9 +107,13 @@ def _big(out: Path, n_prompt: int = 40):
     from mamba_debug.config import MambaConfig  # noqa: PLC0415
     cfg = MambaConfig(**BIG)
     t0 = time.perf_counter()
-    model = md.build_model(cfg, mamba_ssm_params(cfg, 0, "cuda"), source="random 2.8B-shaped")
-    gguf = md.export_gguf(model, Path("/tmp/mamba-2.8b-random-f32.gguf"), dtype="f32")
-    del model
+    gguf = Path("/tmp/mamba-2.8b-random-f32.gguf")
+    if not gguf.exists():            # a warm machine keeps it between calls (the weights are seeded: the same file)
+        model = md.build_model(cfg, mamba_ssm_params(cfg, 0, "cuda"), source="random 2.8B-shaped")
+        tmp = gguf.with_suffix(".part")
+        md.export_gguf(model, tmp, dtype="f32")
+        tmp.rename(gguf)
+        del model
     model = md.load_model(gguf)
     print(f"2.8B-shaped GGUF written and loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     return model, [(7 * i + 3) % cfg.vocab_size for i in range(n_prompt)]
@@ -95,6 +131,10 @@ def main():
     ap.add_argument("--ubatches", default="512", help="big: the -ub values")
     ap.add_argument("--seqs", default="1", help="big: the numbers of sequences")
     ap.add_argument("--prompt-tokens", type=int, default=40, help="big: prompt length (short keeps -ub 1 cheap)")
+    ap.add_argument("--cells", default=None,
+                    help="big: cells in this order, NGL:UB:S[:P],... (NGL all, half or a number; P prompt tokens, at most "
+                         "--prompt-tokens); overrides the grid")
+    ap.add_argument("--n-gen", type=int, default=N_GEN, help="big: generated tokens per cell")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new cell after this many seconds (the rows so far are written)")
     ap.add_argument("--out", default="out/llamacpp_h200")
@@ -118,21 +158,26 @@ def main():
                 for S in (1, 3)]
     else:
         ngls = {"all": n + 1, "half": n // 2}
+        cells = ([(c + ":").split(":")[:4] for c in a.cells.split(",")] if a.cells else
+                 [(v, ub, S, "") for v in a.offloads.split(",") for ub in a.ubatches.split(",")
+                  for S in a.seqs.split(",")])
         grid = [dict(device="cuda", offload=ngls[v] if v in ngls else int(v), ubatch=int(ub), n_seqs=int(S),
-                     local=True, ref_device="cuda")
-                for v in a.offloads.split(",") for ub in a.ubatches.split(",") for S in a.seqs.split(",")]
+                     local=True, ref_device="cuda", n_gen=a.n_gen, prompt_tokens=int(P or len(ids)))
+                for v, ub, S, P in cells]
     for kw in grid:
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
             print(f"budget of {a.budget_s:.0f} s spent: {len(grid) - len(rows)} cell(s) not run", flush=True)
             break
         try:
-            row = (three_cell if a.mode == "three" else cell)(model, ids, llama_lib=a.lib, **kw)
+            n_prompt = kw.pop("prompt_tokens", len(ids))
+            row = (three_cell if a.mode == "three" else cell)(model, ids[:n_prompt], llama_lib=a.lib, **kw)
+            row["prompt_tokens"] = n_prompt
         except Exception as exc:  # noqa: BLE001 (a benchmark row records what failed and goes on)
             row = {**kw, "error": f"{type(exc).__name__}: {exc}"[:600]}
         row.pop("llama_lib", None)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    (out / f"{a.mode}.json").write_text(json.dumps(rows, indent=1))
+        (out / f"{a.mode}.json").write_text(json.dumps(rows, indent=1))    # kept if the call is cut short
     if a.mode == "three":
         print("\nngl  ub  S  CUDA verdict / CPU verdict / CUDA vs CPU")
         for r in rows:
