@@ -65,14 +65,28 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     groups = s.seq_groups(tokens.shape[0])
     shared = lambda a, b: SharedReference(_cache_for(ref_cache, model, tokens[a:b], s))  # noqa: E731
     sides = build_sides(model, s, placement, ref_device, shared(*groups[0]))
-    dev = sides["device"]
+    try:
+        res = _run_sides(model, s, sides, tokens, placement, shared, progress)
+    finally:
+        close = getattr(sides["device"], "close", None)     # an engine's context and model (llama.cpp), even on error
+        if close is not None:
+            close()
+    res.timings["compare_s"] = time.perf_counter() - t0
+    return res
+
+
+def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, placement, shared,
+               progress) -> CompareResult:
+    """The comparison itself: every group of sequences through every side in lock step, then the verdict."""
+    cfg, dev = model.config, sides["device"]
     layer_sites = dev.layer_sites() if hasattr(dev, "layer_sites") else [lt.sites for lt in dev.runner.layer_types]
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict(),
-                                                  **({"notes": model.notes} if model.notes else {})}, placement=placement,
+                                                  **({"notes": model.notes} if model.notes else {})},
+                        placement=placement,
                         sides={k: v.info for k, v in sides.items() if k in ("ref32", "ref64", "device")},
-                        layer_sites=layer_sites,
-                        tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
+                        layer_sites=layer_sites, tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
     res.observed = {k: sides[k].observed_sites() for k in res.sides}
+    groups = s.seq_groups(tokens.shape[0])
     with cpu_threads_for(cfg):
         parts = []
         for i, (a, b) in enumerate(groups):     # one group unless -ub + 1 < n_seqs (llama.cpp's split, see settings)
@@ -83,18 +97,14 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
             parts.append(part)
         if len(parts) > 1:
             merge_groups(res, parts)
-        if hasattr(sides["device"], "observer_effect"):      # an engine traced from outside: does tracing change it?
-            sides["device"].observer_effect()
+        if hasattr(dev, "observer_effect"):      # an engine traced from outside: does tracing change it?
+            dev.observer_effect()
     res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
     res.first_divergence = find_first_divergence(res)
-    judge = getattr(sides["device"], "judge", None)     # an engine that knows its arithmetic paths (llama.cpp)
+    judge = getattr(dev, "judge", None)     # an engine that knows its arithmetic paths (llama.cpp)
     if judge is not None:
-        try:
-            res.first_divergence, res.precision = judge(res)
-            res.judged = True
-        finally:
-            sides["device"].close()
-    res.timings["compare_s"] = time.perf_counter() - t0
+        res.first_divergence, res.precision = judge(res)
+        res.judged = True
     return res
 
 

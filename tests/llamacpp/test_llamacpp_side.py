@@ -238,3 +238,24 @@ def test_a_repeated_graph_takes_the_trie_with_the_same_answers(subject, monkeypa
         self.legacy = True
     monkeypatch.setattr(observe.Tracer, "begin", node_by_node)
     assert _no_timings(to_json(compare(subject, 3, 2))) == _no_timings(to_json(fast))
+
+
+def test_a_finished_run_leaves_nothing_behind(subject, monkeypatch):
+    """The eval callback lives as long as the process (llama.cpp may hold its pointer), and with it its Tracer: after
+    a run, the Tracer holds no node data, graphs or LocalErrors (on a GPU, a 2.8B run's float64 weights), and the
+    context and model are freed, also when the run fails half way."""
+    from mamba_debug.sides.llamacpp import observe
+    tracers, sides = [], []
+    monkeypatch.setattr(lside, "Tracer", lambda *a: tracers.append(observe.Tracer(*a)) or tracers[-1])
+    real_init = lside.LlamaCppSide.__init__
+    monkeypatch.setattr(lside.LlamaCppSide, "__init__", lambda self, *a: sides.append(self) or real_init(self, *a))
+    compare(subject, 3, 2, local=True)
+    assert tracers and all(t.local is None and not t.data and not t.graphs and not t.weights for t in tracers)
+    assert sides[-1].ctx is None and sides[-1].lmodel is None
+
+    def broken(self):
+        raise RuntimeError("half way")
+    monkeypatch.setattr(lside.LlamaCppSide, "observer_effect", broken)
+    with pytest.raises(RuntimeError, match="half way"):
+        compare(subject, 3, 2, local=True)
+    assert sides[-1].ctx is None and sides[-1].lmodel is None and tracers[-1].local is None
