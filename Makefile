@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: setup setup-test demo test lab bench-cpu
+.PHONY: setup setup-test demo test lab bench-cpu compiled-faults
 
 # torch: a CPU machine takes the CPU build on disk (torch==2.13.0); a machine that already has a torch keeps it.
 setup:
@@ -37,3 +37,8 @@ lab: setup
 bench-cpu: setup
 	$(PYTHON) benchmarks/engine_cpu.py
 	$(PYTHON) benchmarks/dashboard_responsiveness.py
+
+# Seven faults compiled into llama.cpp's CPU build (a second build, ~8 min the first time, cached), each found by
+# `mamba-debug compare --engine llama.cpp` through LLAMA_CPP_LIB_PATH where it is born; not part of `make test`
+compiled-faults: setup-test
+	$(PYTHON) tests/llamacpp/compiled_faults.py

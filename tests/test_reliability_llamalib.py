@@ -310,3 +310,21 @@ def test_llama_cpp_pythons_own_folder_loads_and_any_library_cut_short_is_refused
         return
     os.truncate(folder / cut, (folder / cut).stat().st_size // 2)
     _refused_naming(_outcome(lambda: llib._open(folder / "libllama.so")), folder / cut)
+
+
+def test_a_build_folder_copied_out_of_its_build_tree_loads(root):
+    """A library folder whose RUNPATH no longer leads to its ggml libraries (a build's bin/ copied elsewhere keeps a
+    RUNPATH into the build tree): the loader takes libggml.so.0 and libggml-base.so.0 from the folder itself. Made
+    real by overwriting the copies' RUNPATH "$ORIGIN" with a path that does not exist (the same length)."""
+    try:
+        own = llib.default_dir()
+    except MambaDebugError:
+        pytest.skip("llama-cpp-python is not installed")
+    folder = _folder(root)
+    for f in own.glob("lib*.so*"):
+        data = f.read_bytes()
+        (folder / f.name).write_bytes(data.replace(b"$ORIGIN\x00", b"/nowhr/\x00"))
+    if b"/nowhr/" not in (folder / "libllama.so").read_bytes():
+        pytest.skip("this llama-cpp-python's libllama.so has no $ORIGIN RUNPATH to break")
+    outcome = _outcome(lambda: llib._open(folder / "libllama.so").version)
+    assert outcome[0] == "ok", outcome

@@ -161,3 +161,17 @@ def test_command_line_by_model_name(name, tmp_path):
     assert "no divergence" in proc.stdout and "exported to" in proc.stderr
     j = json.loads(out.read_text())
     assert j["first_divergence"] is None and j["config"]["llama_cpp"]["gguf"].startswith(str(tmp_path / "cache"))
+
+
+def test_local_error_of_mamba2_scans(subjects):
+    """--local recomputes Mamba-2's SSM_SCAN (head_dim > 1, one A per head, grouped B and C): clean within the fp32
+    floor on every layer's scan; a fault written into one layer's y_scan is the first node past it."""
+    subject = subjects("tiny-mamba2")
+    loc = compare(subject, 4, 2, local=True).sides["device"].extra["local"]
+    n_layer = subject[1].config.n_layer
+    assert loc["first_over"] is None
+    assert {f"{i}.y_scan" for i in range(n_layer)} <= set(loc["max_per_node"]), sorted(loc["max_per_node"])
+    T = 2
+    fault = _fault(3, "y_scan", 1, 2, 1, 1, T=T, x=subject[1].config.d_inner)
+    first = compare(subject, 4, 2, fault=fault, local=True).sides["device"].extra["local"]["first_over"]
+    assert (first["ubatch"], first["layer"], first["site"], first["op"]) == (1, 3, "y_scan", "SSM_SCAN"), first

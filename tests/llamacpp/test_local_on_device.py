@@ -52,3 +52,43 @@ def test_a_weight_that_does_not_fit_is_recomputed_on_the_host(monkeypatch):
     le.add(_node((512, 3, 1, 1)), [w, x], got, 0)
     assert le.worst["0.xz"] < 1e-6 and le._on_device == {}
     assert le.to_dict()["mul_mat_recomputed_on"] == {"cpu": 0, "host": 1}
+
+
+def _naive_ssm_scan(s, x, dt, A, B, C, ids):
+    """ggml's SSM_SCAN element by element (ops.cpp's loops), float64: the oracle of local._scan."""
+    S, T, H, P = x.shape
+    G, N = B.shape[2], s.shape[3]
+    y, out = np.zeros((S, T, H, P)), np.zeros((S, H, P, N))
+    for q in range(S):
+        st = s[int(ids.reshape(-1)[q])].copy()
+        for t in range(T):
+            for h in range(H):
+                d = float(dt[0, q, t, h])
+                d = d if d > 20 else np.log1p(np.exp(d))
+                g = h // (H // G)
+                for p in range(P):
+                    for n in range(N):
+                        a = A[0, 0, h, n if A.shape[3] > 1 else 0]
+                        st[h, p, n] = st[h, p, n] * np.exp(d * a) + B[q, t, g, n] * (x[q, t, h, p] * d)
+                        y[q, t, h, p] += st[h, p, n] * C[q, t, g, n]
+        out[q] = st
+    return np.concatenate([y.reshape(-1), out.reshape(-1)])
+
+
+@pytest.mark.parametrize("H,P,G,N,per_state_A", [(6, 1, 1, 4, True), (4, 3, 2, 5, False), (2, 4, 1, 3, False)])
+def test_ssm_scan_recompute_in_both_forms(H, P, G, N, per_state_A):
+    """Mamba-1 (head_dim 1, A per state) and Mamba-2 (head_dim P, scalar A per head, grouped B and C): the local
+    recompute is ggml's loop, with slots read through ids (the second sequence from slot 2) and dt past the softplus
+    threshold."""
+    from mamba_debug.sides.llamacpp.local import recompute
+    rng = np.random.default_rng(7)
+    S, T = 2, 3
+    s = rng.standard_normal((3, H, P, N))
+    x, dt = rng.standard_normal((S, T, H, P)), rng.standard_normal((1, S, T, H))
+    dt[0, 1, 2, 0] = 25.0
+    A = -rng.random((1, 1, H, N if per_state_A else 1))
+    B, C = rng.standard_normal((S, T, G, N)), rng.standard_normal((S, T, G, N))
+    ids = np.array([[[[0, 2]]]], dtype=np.float64)
+    n_out = S * T * H * P + S * H * P * N
+    got = recompute("SSM_SCAN", [s, x, dt, A, B, C, ids], (n_out,), ())
+    np.testing.assert_allclose(got, _naive_ssm_scan(s, x, dt, A, B, C, ids), rtol=1e-12, atol=1e-12)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from ctypes import POINTER, c_bool, c_char, c_char_p, c_float, c_int, c_int8, c_int32, c_int64, c_size_t
 from ctypes import c_uint32, c_void_p
 from dataclasses import dataclass
@@ -207,8 +208,24 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _dlopen(path: Path):
-    return ctypes.CDLL(str(path))
+_NOT_FOUND = re.compile(r"([^\s:/]+\.so[.\d]*): cannot open shared object file")
+
+
+def _dlopen(path: Path, mode: int = ctypes.DEFAULT_MODE, depth: int = 0):
+    """dlopen, with a dependency the loader cannot find taken from the library's own folder: a build folder copied
+    out of its build tree keeps a RUNPATH into that tree, so libllama.so's libggml.so.0 (and that one's
+    libggml-base.so.0) would not be found next to it. Such a library is loaded first from the folder, its symbols
+    global, and the load tried again; a dependency missing from the folder too is the loader's own error."""
+    try:
+        return ctypes.CDLL(str(path), mode=mode)
+    except OSError as exc:
+        missing = _NOT_FOUND.search(str(exc))
+        dep = path.parent / missing.group(1) if missing else None
+        if dep is None or not dep.is_file() or dep.name == path.name or depth >= 8:
+            raise
+        check_elf(dep)
+        _dlopen(dep, ctypes.RTLD_GLOBAL, depth + 1)
+        return _dlopen(path, mode, depth + 1)
 
 
 def _default_dir_or_none() -> Optional[Path]:

@@ -3,7 +3,7 @@ the node really read (as observed, before anything could overwrite them), agains
 separates the error a node makes from the error it inherits: a node whose local error passes its path's floor is
 where an error is born, whatever its inputs carried.
 
-Ops: RMS_NORM, MUL_MAT (with ggml's broadcast of src0's heads), SSM_CONV, SSM_SCAN (Mamba-1 only), SILU, SWIGLU,
+Ops: RMS_NORM, MUL_MAT (with ggml's broadcast of src0's heads), SSM_CONV, SSM_SCAN (Mamba-1 and Mamba-2), SILU, SWIGLU,
 MUL, ADD, SCALE, and the data movers CONT, CPY, GET_ROWS, CONCAT (exact: a strided view read as contiguous shows
 here). Arrays are in ggml's order reversed (numpy shape ne[3], ne[2], ne[1], ne[0]), as nodes.read_data gives them.
 
@@ -73,22 +73,27 @@ def _silu(x):
 
 
 def _scan(srcs, out_shape):
+    """ggml's SSM_SCAN in float64, both forms: Mamba-1 (head_dim 1, A per channel and state, one group) and
+    Mamba-2 (head_dim P, one scalar A per head, B and C shared by the heads of a group). numpy shapes (ggml's
+    reversed): s (slots, H, P, N), x (S, T, H, P), dt (1, S, T, H), A (1, 1, H, N or 1), B and C (S, T, G, N);
+    the output is y (S, T, H, P) followed by the final states (S, H, P, N)."""
     s, x, dt, A, B, C, ids = srcs[:7]
-    if s.shape[2] != 1:                          # head_dim 1: Mamba-1 only
+    S, T, H, P = x.shape
+    G = B.shape[2]
+    if s.shape[1:3] != (H, P) or dt.shape[1:] != (S, T, H) or H % G:
         return None
-    x, dt = x[..., 0], dt[0]                     # x (S, T, D); dt (S, T, D)
-    A = A[0, 0]                                  # (D, N)
-    B, C = B[:, :, 0, :], C[:, :, 0, :]          # (S, T, N)
+    A = A[0, 0][:, None, :]                      # (H, 1, N or 1)
+    group = np.arange(H) // (H // G)             # the group each head reads B and C from
     ids = ids.reshape(-1).astype(np.int64)
-    S, T, D = x.shape
-    ys, states = np.empty((S, T, D)), np.empty((S, D, A.shape[1]))
+    ys, states = np.empty((S, T, H, P)), np.empty((S, H, P, s.shape[3]))
     for q in range(S):
-        h = s[ids[q], :, 0, :].copy()            # (D, N)
+        h = s[ids[q]].copy()                     # (H, P, N)
         for t in range(T):
-            d = dt[q, t]
+            d = dt[0, q, t]                      # (H,)
             d = np.where(d > 20.0, d, np.log1p(np.exp(np.minimum(d, 20.0))))
-            h = h * np.exp(d[:, None] * A) + (d * x[q, t])[:, None] * B[q, t][None, :]
-            ys[q, t] = h @ C[q, t]
+            Bt, Ct = B[q, t][group], C[q, t][group]                  # (H, N)
+            h = h * np.exp(d[:, None, None] * A) + (d[:, None] * x[q, t])[:, :, None] * Bt[:, None, :]
+            ys[q, t] = (h * Ct[:, None, :]).sum(-1)
         states[q] = h
     flat = np.concatenate([ys.reshape(-1), states.reshape(-1)])
     n = int(np.prod(out_shape))
