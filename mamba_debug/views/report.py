@@ -11,7 +11,7 @@ from ..safeio import write_text
 from ..trace import CompareResult
 from .base import REPORT_DPI, SCREEN_DPI, fig_png, new_figure
 from .registry import VIEWS
-from .summary import summary, to_json
+from .summary import engine_local, summary, to_json
 
 STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:auto} pre{background:#f4f4f4;padding:8px;"
          "white-space:pre-wrap} td{border-top:1px solid #ccc;padding:4px;vertical-align:top} "
@@ -57,6 +57,7 @@ def write_report(res: CompareResult, path, extra: tuple = ()) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = to_json(res)
+    extra = tuple(extra) + _local_table(res)
     body = "\n".join([f"<h2>{html.escape(t)}</h2>{h}" for t, h in extra] + sections(res))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>mamba-debug report</title>
 <style>{STYLE}</style></head><body>
@@ -67,3 +68,18 @@ def write_report(res: CompareResult, path, extra: tuple = ()) -> Path:
 </body></html>"""
     write_text(path, page)
     return path
+
+
+def _local_table(res: CompareResult, rows: int = 12) -> tuple:
+    """The nodes with the largest local error (an engine's --local: each node's op recomputed in float64 from its own
+    inputs), against the FP32 floor: error a node makes, apart from error it inherits."""
+    loc = engine_local(res)
+    if not loc or not loc.get("max_per_node"):
+        return ()
+    worst = sorted(loc["max_per_node"].items(), key=lambda kv: -kv[1])[:rows]
+    cells = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.3g}</td><td>{v / loc['threshold']:.3g}</td></tr>"
+                    for k, v in worst)
+    return (("Local error per node (largest first)",
+             f"<p>{len(loc['max_per_node'])} nodes recomputed; FP32 floor x k = {loc['threshold']:.2g}, TF32 limit "
+             f"{loc['tf32_limit']:.2g}.</p><table><tr><th>layer.site</th><th>local rel. L2</th><th>x floor</th></tr>"
+             f"{cells}</table>"),)

@@ -150,6 +150,9 @@ def summary(res: CompareResult) -> str:
         lines.append("layers    first bad token per layer: " +
                      ", ".join(f"L{r['layer']}@t{r['first_bad']['token']}:{r['first_bad']['site']}" for r in bad[:8]) +
                      (" ..." if len(bad) > 8 else ""))
+    local = local_line(res)
+    if local:
+        lines.append(local)
     if res.nondeterminism:
         nd = res.nondeterminism
         lines.append(f"WARNING   device side is not deterministic: runs differ by {nd['rel_l2']:.2g} (rel L2) at "
@@ -161,6 +164,33 @@ def summary(res: CompareResult) -> str:
         lines.append(f"text dev  {'identical' if diff is None else 'differs from generated token %d' % diff}: "
                      f"{g['device'][0]!r}")
     return "\n".join(lines)
+
+
+def engine_local(res: CompareResult):
+    """The local errors an engine traced from outside recorded (llama.cpp's `--local`, always on CUDA, or the replay
+    that refines a divergence), or None: what the node made itself, apart from what it inherited."""
+    extra = res.sides["device"].extra or {}
+    return extra.get("local") or extra.get("local_replay")
+
+
+def local_line(res: CompareResult):
+    """One summary line: the first node whose own op (recomputed in float64 from the inputs it read) is past the
+    FP32 floor, i.e. where an error is born; or the worst node when none is."""
+    loc = engine_local(res)
+    if not loc or not loc.get("max_per_node"):
+        return None
+    n, head = len(loc["max_per_node"]), f"local     each node's op recomputed in float64 from its own inputs ({{}} nodes)"
+    first = loc.get("first_fault") or loc.get("first_over")      # past its own path's limit, else the FP32 floor
+    if first is None:
+        key, err = max(loc["max_per_node"].items(), key=lambda kv: kv[1])
+        return head.format(n) + f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
+    where = f"layer {first['layer']}" if first["layer"] is not None else "outside the layers"
+    fault = loc.get("first_fault") is not None
+    why = ("the error is born there; the nodes after it inherit" if fault else
+           f"within its reduced-precision path's limit {loc['tf32_limit']:.2g} ({first['path']}): precision")
+    past = f"its path's limit {first['threshold']:.2g}" if fault else f"the FP32 floor {loc['threshold']:.2g}"
+    return (head.format(n) + f": first past {past}: {where} '{first['site']}' "
+            f"({first['op']} {first['name']}, ubatch {first['ubatch']}) at {first['error']:.3g}, {why}")
 
 
 def _ref_where(ref_device: str) -> str:

@@ -170,7 +170,7 @@ def test_command_line_end_to_end(subject, tmp_path):
     assert j["config"]["ubatch"] == 3 and j["config"]["ubatch_per_seq"] == 1
 
 
-def test_local_error_per_node_finds_where_an_error_is_born(subject):
+def test_local_error_per_node_finds_where_an_error_is_born(subject, tmp_path):
     """--local: each node's op recomputed in float64 from the inputs it read. Clean: every node within the fp32
     floor; a fault written into SSM_CONV's output: that node is the first one past it, nothing before."""
     loc = compare(subject, 4, 2, local=True).sides["device"].extra["local"]
@@ -178,6 +178,12 @@ def test_local_error_per_node_finds_where_an_error_is_born(subject):
     res = compare(subject, 4, 2, fault=_fault(3, "SSM_CONV", 1, 2, 1, 0, T=2), local=True)
     first = res.sides["device"].extra["local"]["first_over"]
     assert (first["ubatch"], first["layer"], first["site"]) == (1, 3, "SSM_CONV"), first
+    # the summary and the report say it too: where the error is born, apart from what later nodes inherit
+    from mamba_debug.views.report import write_report
+    from mamba_debug.views.summary import summary
+    line = next(x for x in summary(res).splitlines() if x.startswith("local"))
+    assert "layer 3 'SSM_CONV'" in line and "born there" in line, line
+    assert "Local error per node" in write_report(res, tmp_path / "r.html").read_text()
 
 
 def test_fault_born_in_a_node_without_reference_is_named_by_its_local_error(subject):
