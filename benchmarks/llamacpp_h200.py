@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import resource
 import sys
 import threading
@@ -135,6 +137,8 @@ def main():
                     help="big: cells in this order, NGL:UB:S[:P],... (NGL all, half or a number; P prompt tokens, at most "
                          "--prompt-tokens); overrides the grid")
     ap.add_argument("--n-gen", type=int, default=N_GEN, help="big: generated tokens per cell")
+    ap.add_argument("--profile", action="store_true",
+                    help="print a cProfile of each cell (top 25 by own time): where the traced seconds go")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new cell after this many seconds (the rows so far are written)")
     ap.add_argument("--out", default="out/llamacpp_h200")
@@ -170,7 +174,14 @@ def main():
             break
         try:
             n_prompt = kw.pop("prompt_tokens", len(ids))
-            row = (three_cell if a.mode == "three" else cell)(model, ids[:n_prompt], llama_lib=a.lib, **kw)
+            run = (three_cell if a.mode == "three" else cell)
+            prof = cProfile.Profile() if a.profile else None
+            if prof is not None:
+                prof.enable()
+            row = run(model, ids[:n_prompt], llama_lib=a.lib, **kw)
+            if prof is not None:
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             row["prompt_tokens"] = n_prompt
         except Exception as exc:  # noqa: BLE001 (a benchmark row records what failed and goes on)
             row = {**kw, "error": f"{type(exc).__name__}: {exc}"[:600]}
