@@ -297,13 +297,7 @@ def test_a_folder_named_libllama_so_is_not_a_file(root):
 def test_llama_cpp_pythons_own_folder_loads_and_any_library_cut_short_is_refused(root, cut):
     """With llama-cpp-python installed: a copy of its library folder loads (in a child); the same folder with one
     library cut in half is refused naming that library, before dlopen could crash on it."""
-    try:
-        own = llib.default_dir()
-    except MambaDebugError:
-        pytest.skip("llama-cpp-python is not installed")
-    folder = _folder(root)
-    for f in own.glob("lib*.so*"):
-        shutil.copyfile(f, folder / f.name)
+    folder = _copy_of_llama_cpp_pythons_folder(root)
     if cut is None:
         outcome = _outcome(lambda: llib._open(folder / "libllama.so").version)
         assert outcome[0] == "ok", outcome
@@ -316,15 +310,20 @@ def test_a_build_folder_copied_out_of_its_build_tree_loads(root):
     """A library folder whose RUNPATH no longer leads to its ggml libraries (a build's bin/ copied elsewhere keeps a
     RUNPATH into the build tree): the loader takes libggml.so.0 and libggml-base.so.0 from the folder itself. Made
     real by overwriting the copies' RUNPATH "$ORIGIN" with a path that does not exist (the same length)."""
+    folder = _copy_of_llama_cpp_pythons_folder(root, edit=lambda data: data.replace(b"$ORIGIN\x00", b"/nowhr/\x00"))
+    if b"/nowhr/" not in (folder / "libllama.so").read_bytes():
+        pytest.skip("this llama-cpp-python's libllama.so has no $ORIGIN RUNPATH to break")
+    outcome = _outcome(lambda: llib._open(folder / "libllama.so").version)
+    assert outcome[0] == "ok", outcome
+
+
+def _copy_of_llama_cpp_pythons_folder(root, edit=lambda data: data) -> Path:
+    """A copy of llama-cpp-python's library folder (each file's bytes through `edit`); skips without it."""
     try:
         own = llib.default_dir()
     except MambaDebugError:
         pytest.skip("llama-cpp-python is not installed")
     folder = _folder(root)
     for f in own.glob("lib*.so*"):
-        data = f.read_bytes()
-        (folder / f.name).write_bytes(data.replace(b"$ORIGIN\x00", b"/nowhr/\x00"))
-    if b"/nowhr/" not in (folder / "libllama.so").read_bytes():
-        pytest.skip("this llama-cpp-python's libllama.so has no $ORIGIN RUNPATH to break")
-    outcome = _outcome(lambda: llib._open(folder / "libllama.so").version)
-    assert outcome[0] == "ok", outcome
+        (folder / f.name).write_bytes(edit(f.read_bytes()))
+    return folder
