@@ -179,17 +179,17 @@ def local_line(res: CompareResult):
     loc = engine_local(res)
     if not loc or not loc.get("max_per_node"):
         return None
-    n, head = len(loc["max_per_node"]), f"local     each node's op recomputed in float64 from its own inputs ({{}} nodes)"
+    head = f"local     each node's op recomputed in float64 from its own inputs ({len(loc['max_per_node'])} nodes)"
     first = loc.get("first_fault") or loc.get("first_over")      # past its own path's limit, else the FP32 floor
     if first is None:
         key, err = max(loc["max_per_node"].items(), key=lambda kv: kv[1])
-        return head.format(n) + f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
+        return head + f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
     where = f"layer {first['layer']}" if first["layer"] is not None else "outside the layers"
     fault = loc.get("first_fault") is not None
     why = ("the error is born there; the nodes after it inherit" if fault else
            f"within its reduced-precision path's limit {loc['tf32_limit']:.2g} ({first['path']}): precision")
     past = f"its path's limit {first['threshold']:.2g}" if fault else f"the FP32 floor {loc['threshold']:.2g}"
-    return (head.format(n) + f": first past {past}: {where} '{first['site']}' "
+    return (head + f": first past {past}: {where} '{first['site']}' "
             f"({first['op']} {first['name']}, ubatch {first['ubatch']}) at {first['error']:.3g}, {why}")
 
 
