@@ -7,9 +7,10 @@ run time by MDBG_FAULT=<name> (one build serves all seven, and with MDBG_FAULT u
 
     mamba-debug compare --model tiny-f32.gguf --engine llama.cpp --device cpu --ubatch U --n-seqs S --json OUT
 
-for each fault over a grid of -ub and sequences, and checks `first_divergence` (seq, token, layer, site) against
-where the fault is born, or null (exit 0) where it cannot trigger at that schedule. Prints a table; exit 1 on any
-mismatch. Not part of `make test` (a second llama.cpp build costs ~8 minutes on 2 cores the first time); run
+for each fault over a grid of -ub and sequences on the shipped Mamba-1 model (and the Mamba op faults over a few
+schedules on the shipped Mamba-2 and Granite hybrid models), and checks `first_divergence` (seq, token, layer, site)
+against where the fault is born, or null (exit 0) where it cannot trigger at that schedule. Prints a table; exit 1 on
+any mismatch. Not part of `make test` (a second llama.cpp build costs ~8 minutes on 2 cores the first time); run
 `make compiled-faults`. The build is kept in ~/.cache/mamba-debug/llama-faults-<key>/.
 """
 from __future__ import annotations
@@ -149,7 +150,7 @@ def build() -> Path:
 
 
 def run(lib: Path, gguf: Path, work: Path, fault, ub: int, S: int) -> dict:
-    out = work / f"{fault}_{ub}_{S}.json"
+    out = work / f"{gguf.stem}_{fault}_{ub}_{S}.json"
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib)}
     env.pop("MDBG_FAULT", None)
     if fault:
@@ -162,15 +163,27 @@ def run(lib: Path, gguf: Path, work: Path, fault, ub: int, S: int) -> dict:
     return {"rc": p.returncode, **json.loads(out.read_text())}
 
 
+# The shipped Mamba-1 model over the whole grid; the Mamba-2 and hybrid models (layer 0 a Mamba-2 layer in both) with
+# the faults of the Mamba ops and the model input, over a few schedules (their layers 3 and 10 differ in kind).
+PLAN = {
+    "tiny-mamba": [(None, c) for c in UB_SEQS]
+    + [(f, c) for f in FAULTS for c in (UB_SEQS if f in ("conv_seq1", "scan_B_contig", "scan_state_end")
+                                        else UB_SEQS[::3])],
+    **{name: [(f, c) for f in (None, "conv_seq1", "scan_B_contig", "scan_state_end", "rms_skip_last", "emb")
+              for c in ((1, 1), (8, 2), (17, 3))] for name in ("tiny-mamba2", "tiny-granite-hybrid")},
+}
+
+
 def main() -> int:
     import mamba_debug as md
     lib = build()
     work = Path(tempfile.mkdtemp(prefix="compiled-faults-"))
-    gguf = md.export_gguf(md.load_model(None), work / "tiny-f32.gguf", dtype="f32")
     bad = 0
-    print(f"library {lib}\n{'fault':15s} {'ub':>4} {'S':>2}  {'expected':32s} {'got':32s} ok")
-    for fault in (None, *FAULTS):
-        for ub, S in UB_SEQS if fault in (None, "conv_seq1", "scan_B_contig", "scan_state_end") else UB_SEQS[::3]:
+    print(f"library {lib}\n{'model':20s} {'fault':15s} {'ub':>4} {'S':>2}  {'expected':30s} {'got':30s} ok")
+    for name, cells in PLAN.items():
+        gguf = md.export_gguf(md.load_model(None if name == "tiny-mamba" else name), work / f"{name}-f32.gguf",
+                              dtype="f32")
+        for fault, (ub, S) in cells:
             r = run(lib, gguf, work, fault, ub, S)
             if "error" in r:
                 got, want, ok = r["error"], "a result", False
@@ -180,8 +193,8 @@ def main() -> int:
                 want = None if fault is None else expected(fault, ub, S, int(r["config"]["n_prompt"]))
                 ok = got == want and r["rc"] == (0 if want is None else 1)
             bad += not ok
-            print(f"{fault or 'stock':15s} {ub:>4} {S:>2}  {str(want):32s} {str(got):32s} {'yes' if ok else 'NO'}",
-                  flush=True)
+            print(f"{name:20s} {fault or 'stock':15s} {ub:>4} {S:>2}  {str(want):30s} {str(got):30s} "
+                  f"{'yes' if ok else 'NO'}", flush=True)
     print(f"\n{bad} mismatch(es)" if bad else "\nevery fault found where it is born; no false alarm")
     return 1 if bad else 0
 

@@ -175,3 +175,17 @@ def test_local_error_of_mamba2_scans(subjects):
     fault = _fault(3, "y_scan", 1, 2, 1, 1, T=T, x=subject[1].config.d_inner)
     first = compare(subject, 4, 2, fault=fault, local=True).sides["device"].extra["local"]["first_over"]
     assert (first["ubatch"], first["layer"], first["site"], first["op"]) == (1, 3, "y_scan", "SSM_SCAN"), first
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_fault_in_the_embedding_lookup_is_named_by_its_local_error(subjects, name):
+    """The embedding lookup is found by the weight it reads, not by its name: Granite's graph names it "node_0" (its
+    "embd" is the SCALE by the embedding multiplier after it). A fault written into it first shows at layer 0's
+    RMS_NORM, and the replay with local errors names the lookup, before layer 0."""
+    def hook(node, a, u, first_seq):
+        if node.op == "GET_ROWS" and node.extra.get("embedding") and u == 1:
+            flat = a.reshape(-1)
+            flat[3] += 0.5 + abs(flat[3])
+    fd = compare(subjects(name), 4, 1, fault=hook).first_divergence
+    assert (fd["token"], fd["seq"], fd["layer"], fd["site"]) == (4, 0, None, "GET_ROWS"), fd
+    assert "GET_ROWS" in fd["by"], fd

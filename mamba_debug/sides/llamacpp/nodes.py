@@ -137,6 +137,13 @@ def host_array(node: Node) -> np.ndarray:
     return np.ndarray(shape=node.ne[::-1], dtype=DTYPES[node.type], buffer=raw, strides=node.nb[::-1])
 
 
+
+def model_input(node: Node) -> bool:
+    """The embedding lookup (by the weight it reads, whatever its name) and what llama.cpp names the layers' input,
+    "embd" (the lookup itself in Mamba's graph; in Granite's, the SCALE by the embedding multiplier after it):
+    nodes before layer 0, in no layer."""
+    return node.name == "embd" or bool(node.extra.get("embedding"))
+
 class GraphMap:
     """Maps the nodes of one ubatch graph as they are observed, in graph order (inputs before consumers)."""
 
@@ -178,6 +185,8 @@ class GraphMap:
         return self.named(self.copies[addr]) if addr in self.copies else []
 
     def add(self, node: Node) -> Node:
+        node.extra["embedding"] = (node.op == "GET_ROWS" and bool(node.src)
+                                   and self.src_name(node.src[0]) == "token_embd.weight")
         node.layer, weight, cache = self._layer(node)
         node.extra["weight"] = weight
         self.nodes[node.addr] = node
@@ -191,7 +200,7 @@ class GraphMap:
         site = self._design_site(node, weight, cache)
         if op == "VIEW" and site is None:
             return node
-        if node.layer is not None or node.name in HEAD_NAMES or node.name == "embd":
+        if node.layer is not None or node.name in HEAD_NAMES or model_input(node):
             k = self.count[(node.layer, op)] = self.count.get((node.layer, op), 0) + 1
             node.site = site or (op if k == 1 else f"{op}#{k}")
             if site:
@@ -234,7 +243,7 @@ class GraphMap:
                 elif src.layer is not None:
                     layers.append(src.layer)
         m = _SUFFIX.match(node.name)
-        if node.name in HEAD_NAMES or node.extra.get("head") or node.name == "embd":
+        if node.name in HEAD_NAMES or node.extra.get("head") or model_input(node):
             return None, weight, cache
         if m:
             return int(m.group(2)), weight, cache
