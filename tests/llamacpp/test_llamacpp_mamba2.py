@@ -189,3 +189,15 @@ def test_a_fault_in_the_embedding_lookup_is_named_by_its_local_error(subjects, n
     fd = compare(subjects(name), 4, 1, fault=hook).first_divergence
     assert (fd["token"], fd["seq"], fd["layer"], fd["site"]) == (4, 0, None, "GET_ROWS"), fd
     assert "GET_ROWS" in fd["by"], fd
+
+
+def test_a_fault_in_granites_head_matmul_is_named_by_its_local_error(subjects):
+    """Granite scales its logits: the head's MUL_MAT is followed by a SCALE named result_output (the `logits` site).
+    A fault written into that MUL_MAT first shows at `logits`; the replay with local errors names the MUL_MAT, in no
+    layer, the node where it is born."""
+    def hook(node, a, u, first_seq):
+        if node.op == "MUL_MAT" and node.layer is None and node.extra.get("head") and u == 1:
+            flat = a.reshape(-1)
+            flat[3] += 0.5 + abs(flat[3])
+    fd = compare(subjects("tiny-granite-hybrid"), 4, 1, fault=hook).first_divergence
+    assert (fd["token"], fd["seq"], fd["layer"], fd["site"]) == (4, 0, None, "MUL_MAT"), fd

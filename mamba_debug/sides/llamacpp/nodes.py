@@ -200,7 +200,7 @@ class GraphMap:
         site = self._design_site(node, weight, cache)
         if op == "VIEW" and site is None:
             return node
-        if node.layer is not None or node.name in HEAD_NAMES or model_input(node):
+        if node.layer is not None or node.name in HEAD_NAMES or model_input(node) or node.extra.get("head"):
             k = self.count[(node.layer, op)] = self.count.get((node.layer, op), 0) + 1
             node.site = site or (op if k == 1 else f"{op}#{k}")
             if site:

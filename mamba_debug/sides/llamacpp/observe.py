@@ -257,7 +257,7 @@ class Tracer:
             return
         data = read_data(self.lib, node) if data is None else data
         g.setdefault("all", {})[node.addr] = data
-        if node.op in LOCAL_OPS and node.layer is not None or model_input(node) \
+        if node.op in LOCAL_OPS and (node.layer is not None or node.extra.get("head")) or model_input(node) \
                 or node.name in ("result_norm", "result_output", "norm"):
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
             self.local.add(node, srcs, data, self.u, self.first_seq)
