@@ -1,6 +1,7 @@
 """On a CUDA run the llama.cpp side recomputes MUL_MAT's local error with torch on the GPU (the numpy recompute of a
 2.8B model's matmuls took minutes at -ub 1). The torch path is the same float64 sums: here it runs on the CPU and
-must give numpy's local errors, with ggml's head broadcast, and a weight is moved once."""
+must give numpy's local errors, with ggml's head broadcast, and a weight is moved once. Also the SSM_SCAN recompute
+of both forms (Mamba-1 and Mamba-2) against ggml's element loop."""
 import numpy as np
 import pytest
 

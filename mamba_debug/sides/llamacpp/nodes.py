@@ -137,12 +137,18 @@ def host_array(node: Node) -> np.ndarray:
     return np.ndarray(shape=node.ne[::-1], dtype=DTYPES[node.type], buffer=raw, strides=node.nb[::-1])
 
 
-
 def model_input(node: Node) -> bool:
     """The embedding lookup (by the weight it reads, whatever its name) and what llama.cpp names the layers' input,
     "embd" (the lookup itself in Mamba's graph; in Granite's, the SCALE by the embedding multiplier after it):
     nodes before layer 0, in no layer."""
     return node.name == "embd" or bool(node.extra.get("embedding"))
+
+
+def outside_layers(node: Node) -> bool:
+    """Nodes in no layer: the model input, and the head (by its names, or a node reading a head node: Granite's
+    unnamed head MUL_MAT before the SCALE it names result_output)."""
+    return model_input(node) or node.name in HEAD_NAMES or bool(node.extra.get("head"))
+
 
 class GraphMap:
     """Maps the nodes of one ubatch graph as they are observed, in graph order (inputs before consumers)."""
@@ -200,7 +206,7 @@ class GraphMap:
         site = self._design_site(node, weight, cache)
         if op == "VIEW" and site is None:
             return node
-        if node.layer is not None or node.name in HEAD_NAMES or model_input(node) or node.extra.get("head"):
+        if node.layer is not None or outside_layers(node):
             k = self.count[(node.layer, op)] = self.count.get((node.layer, op), 0) + 1
             node.site = site or (op if k == 1 else f"{op}#{k}")
             if site:
@@ -243,7 +249,7 @@ class GraphMap:
                 elif src.layer is not None:
                     layers.append(src.layer)
         m = _SUFFIX.match(node.name)
-        if node.name in HEAD_NAMES or node.extra.get("head") or model_input(node):
+        if outside_layers(node):
             return None, weight, cache
         if m:
             return int(m.group(2)), weight, cache

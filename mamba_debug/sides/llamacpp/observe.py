@@ -25,7 +25,7 @@ import numpy as np
 
 from .lib import GgmlTensor
 from .local import OPS as LOCAL_OPS
-from .nodes import DTYPES, GraphMap, host_array, model_input, read_data, read_node
+from .nodes import DTYPES, HEAD_NAMES, GraphMap, host_array, model_input, read_data, read_node
 
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
@@ -258,7 +258,7 @@ class Tracer:
         data = read_data(self.lib, node) if data is None else data
         g.setdefault("all", {})[node.addr] = data
         if node.op in LOCAL_OPS and (node.layer is not None or node.extra.get("head")) or model_input(node) \
-                or node.name in ("result_norm", "result_output", "norm"):
+                or node.name in HEAD_NAMES:
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
             self.local.add(node, srcs, data, self.u, self.first_seq)
 
