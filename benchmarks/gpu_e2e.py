@@ -230,16 +230,33 @@ class PageableCapture(_Capture):
 
 
 def metrics_on_device(values: dict):
-    """What capture='metrics' does per site with the reference on the GPU, through the engine's own metric path:
-    `site_errors_many` (as the engine's Accumulator calls it: on CUDA the sites of one shape stacked into one launch
-    of the fused Triton kernel of mamba_debug/_site_metrics.py) on each site as the Accumulator hands it over
-    (v[:, None] for a value taken once per ubatch), all four metrics kept on the device, one transfer per ubatch,
-    nothing else kept. This run has no reference side, so each site is compared with itself: the kernel reads it
-    twice (the second read partly from cache), where the engine reads a distinct float32 or float64 reference and
-    also takes the float32-vs-float64 floor once per site; benchmarks/site_metrics_bench.py times those pairs."""
+    """capture='metrics' as the Accumulator measures what a side hands over by value (the device side before it
+    measured at birth, and the reference floors): `site_errors_many` over the ubatch's copies (on CUDA the fused
+    Triton kernel of mamba_debug/_site_metrics.py, a launch per group of like sites reading each in place), the
+    metrics kept on the device, one transfer per ubatch. This run has no reference side, so each site is compared
+    with itself: the kernel reads it twice (the second read partly from cache), where the engine reads a distinct
+    float32 or float64 reference; benchmarks/site_metrics_bench.py times those pairs."""
     pairs = [(a, a) for a in (v if per_token else v[:, None] for v, per_token in values.values())]
     out = [e[m].flatten() for e in site_errors_many(pairs) for m in METRICS]
     return torch.cat(out).cpu()          # one transfer per ubatch: only metrics reach the host
+
+
+class AtBirth(_Capture):
+    """What capture='metrics' does on the device side now (compare._measures_at_birth), through the engine's own
+    Capture: each site measured where it is born, a layer's sites together (`site_errors_many`: on a GPU one or two
+    launches of the fused kernel reading each site in place), nothing copied, the metrics kept on the device. No
+    reference side here, so each site is measured against itself."""
+
+    def __init__(self):
+        super().__init__(to_host=False)
+        self.kept = []             # each ubatch's Measured sites (the keep protocol)
+
+    def site(self, layer, site, value, per_token):
+        self.against = {(layer, site): (value, per_token)}
+        super().site(layer, site, value, per_token)
+
+    def take(self):
+        self.kept.append(super().take())
 
 
 def prefill(runner: Runner, tokens: torch.Tensor, ubatch: int, after_ubatch=None) -> torch.Tensor:
@@ -259,6 +276,7 @@ def tracing_levels(dev) -> list[dict]:
     no_states_out = dataclasses.replace(dev, ops=OpTable(dev.ops.name, dev.ops.ops, supports_states_out=False))
     gpu, keep, states, pinned, pageable = (_Capture(to_host=False), KeepOnDevice(), _Capture(), _Capture(),
                                           PageableCapture())
+    born = AtBirth()
     host = "pinned host memory, non-blocking, one sync per ubatch" if CUDA else "the CPU (no GPU: plain copies)"
     level = dict(backend=dev, after=None, to_host=False, keep=None, once=False, check=False)
     return [
@@ -266,9 +284,13 @@ def tracing_levels(dev) -> list[dict]:
          "tap": Tap()},
         {**level, "what": "hook that keeps nothing; per-token SSM states (states_out)", "tap": Tap()},
         {**level, "what": "capture='metrics' device half: every site copied on the device, site_errors_many "
-                          f"({'fused Triton kernel, one launch per shape' if CUDA else 'torch version on the CPU'}), "
+                          f"({'fused Triton kernel, like sites in one launch' if CUDA else 'torch version on the CPU'}), "
                           "then dropped",
          "tap": Tap(gpu), "after": lambda: metrics_on_device(gpu.take())},
+        {**level, "what": "capture='metrics' device half, measured at birth: a layer's sites by "
+                          f"{'the fused kernel, read in place' if CUDA else 'the torch version'} as the next layer "
+                          "starts (against themselves: no reference here), nothing copied, metrics kept on the device",
+         "tap": Tap(born), "after": born.take, "keep": born},
         {**level, "what": "keep resid, y_scan (every layer) and logits on the device for the whole prefill",
          "tap": Tap(keep, {"resid", "y_scan", "logits"}), "keep": keep},
         {**level, "what": f"per-token SSM states (states_out) to {host}", "tap": Tap(states, {"ssm_state"}),
@@ -323,8 +345,13 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
             free_memory(host_cache=False)
             reset_peak()
             t = median_time(run, 1 if lv["once"] else reps, 0 if lv["once"] else warm)
-            r = row(lv["what"], t, base, tap.bytes, lv["to_host"], peak_gpu())
-            notes = [check_capture(runner, tokens, ubatch, tap.inner) if lv["check"] else "",
+            peak = peak_gpu()
+            # the ratio is to an untraced run timed right after this level: one machine's speed drifts by tens of
+            # percent over a run (0.61 s untraced at the start of a run whose hook-only levels took 0.51 s)
+            beside = median_time(lambda: prefill(plain, tokens, ubatch), reps, 0)
+            r = row(lv["what"], t, beside, tap.bytes, lv["to_host"], peak)
+            notes = [f"untraced beside it {beside:.3f} s",
+                     check_capture(runner, tokens, ubatch, tap.inner) if lv["check"] else "",
                      pinned_note() if lv["to_host"] else ""]
             r["note"] = "; ".join(n for n in notes if n)
         except Exception as exc:           # noqa: BLE001 - record it and go on to the next level

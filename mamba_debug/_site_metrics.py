@@ -85,6 +85,28 @@ def _store_metrics(out_ptr, rows, ok, R, num, den, aa, ab, mx, a_bad, b_bad):
     tl.store(out_ptr + 3 * R + rows, tl.where(bad, INF - INF, cos), mask=ok)
 
 
+@_device_function
+def _accumulate(a, b, num, den, aa, ab, mx, flags):
+    """One step of a row's sums, per element lane: a, b as loaded (masked lanes 0)."""
+    a = a.to(tl.float64)                  # exact for every supported dtype; all arithmetic below in float64
+    b = b.to(tl.float64)
+    d = a - b
+    d_fin = tl.abs(d) < INF               # isfinite: False for +-inf and NaN
+    d = tl.where(d_fin, d, 0.0)
+    mx = tl.maximum(mx, tl.abs(d))        # never NaN: non-finite differences are 0 here
+    flags = flags | tl.where(tl.abs(a) < INF, 0, 1) | tl.where(tl.abs(b) < INF, 0, 2)
+    return num + d * d, den + b * b, aa + a * a, ab + a * b, mx, flags
+
+
+@_device_function
+def _reduce_rows(num, den, aa, ab, mx, flags):
+    """The lanes of each row combined by tl.reduce's fixed tree (tl.sum(.., axis=1), see the module docstring)."""
+    return (tl.reduce(num, 1, tl.standard._sum_combine), tl.reduce(den, 1, tl.standard._sum_combine),
+            tl.reduce(aa, 1, tl.standard._sum_combine), tl.reduce(ab, 1, tl.standard._sum_combine),
+            tl.reduce(mx, 1, tl.standard._elementwise_max), tl.reduce(flags & 1, 1, tl.standard._elementwise_max),
+            tl.reduce(flags & 2, 1, tl.standard._elementwise_max))
+
+
 @triton.jit
 def _row_stats_kernel(
     a_ptr, b_ptr,             # dev and ref, any float dtype, [S, T, X] through the strides below (read only)
@@ -127,26 +149,9 @@ def _row_stats_kernel(
         m = row_ok[:, None] & (x < X)[None, :]
         a = tl.load(a_ptr + a_row + _offsets(x, a_X2, a_sx1, a_sx2, A_TWO)[None, :], mask=m, other=0.0)
         b = tl.load(b_ptr + b_row + _offsets(x, b_X2, b_sx1, b_sx2, B_TWO)[None, :], mask=m, other=0.0)
-        a = a.to(tl.float64)                  # exact for every supported dtype; all arithmetic below in float64
-        b = b.to(tl.float64)
-        d = a - b
-        d_fin = tl.abs(d) < INF               # isfinite: False for +-inf and NaN
-        d = tl.where(d_fin, d, 0.0)
-        num += d * d
-        den += b * b
-        aa += a * a
-        ab += a * b
-        mx = tl.maximum(mx, tl.abs(d))        # never NaN: non-finite differences are 0 here
-        flags = flags | tl.where(tl.abs(a) < INF, 0, 1) | tl.where(tl.abs(b) < INF, 0, 2)
+        num, den, aa, ab, mx, flags = _accumulate(a, b, num, den, aa, ab, mx, flags)
         i += 1
-
-    num_r = tl.reduce(num, 1, tl.standard._sum_combine)      # tl.sum(.., axis=1), see the module docstring
-    den_r = tl.reduce(den, 1, tl.standard._sum_combine)
-    aa_r = tl.reduce(aa, 1, tl.standard._sum_combine)
-    ab_r = tl.reduce(ab, 1, tl.standard._sum_combine)
-    mx_r = tl.reduce(mx, 1, tl.standard._elementwise_max)
-    a_bad = tl.reduce(flags & 1, 1, tl.standard._elementwise_max)
-    b_bad = tl.reduce(flags & 2, 1, tl.standard._elementwise_max)
+    num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad = _reduce_rows(num, den, aa, ab, mx, flags)
     if FINAL:
         _store_metrics(out_ptr, rows, row_ok, R, num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad)
     else:
@@ -186,6 +191,66 @@ def _combine_kernel(part_ptr, out_ptr, R, SPLIT, BLOCK_R: tl.constexpr):
         b_bad = tl.maximum(b_bad, tl.load(p + 6 * step, mask=ok, other=0.0))
         k += 1
     _store_metrics(out_ptr, rows, ok, R, num, den, aa, ab, mx, a_bad, b_bad)
+
+
+# Fields of one site in `_sites_kernel`'s table (int64): element offsets of dev and ref from the launch's anchor
+# tensors, rows R = S * T and T, elements per row X, both tensors' strides as in _row_stats_kernel, where its four
+# metric rows start in `out`, and the first program of the site.
+FIELDS = ("a_off", "b_off", "R", "T", "X", "a_ss", "a_st", "a_X2", "a_sx1", "a_sx2",
+          "b_ss", "b_st", "b_X2", "b_sx1", "b_sx2", "out_off", "first")
+N_FIELDS = len(FIELDS)
+NF = tl.constexpr(N_FIELDS)          # the kernel's copy: a jit function reads only constexpr globals
+
+
+@triton.jit
+def _sites_kernel(
+    a_anchor, b_anchor,       # a dev and a ref tensor of the launch: every site's tensors addressed from these
+    table_ptr,                # [n_sites + 1, NF] int64 (FIELDS), the last row a sentinel
+    out_ptr,                  # float64: each site's [4, R] metrics at its out_off
+    n_sites,
+    A_TWO: tl.constexpr, B_TWO: tl.constexpr, ROWS: tl.constexpr, BLOCK_X: tl.constexpr,
+):
+    """Many (dev, ref) sites in one launch, each row read where it lies (no stacking copy): the program's site is the
+    last whose first program is not after it; its rows are then summed as _row_stats_kernel sums a row it does not
+    split (never split here: the launch's many sites keep the GPU busy)."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = n_sites * 0          # binary search: first[lo] <= pid < first[hi] (row n_sites is a sentinel past the grid)
+    hi = n_sites
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(table_ptr + mid * NF + 16) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    f = table_ptr + lo * NF
+    R, T, X = tl.load(f + 2), tl.load(f + 3), tl.load(f + 4)
+    rows = (pid - tl.load(f + 16)) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_ok = rows < R
+    s = rows // T
+    t = rows - s * T
+    a_row = (s * tl.load(f + 5) + t * tl.load(f + 6))[:, None]
+    b_row = (s * tl.load(f + 10) + t * tl.load(f + 11))[:, None]
+    a_ptr = a_anchor + tl.load(f)
+    b_ptr = b_anchor + tl.load(f + 1)
+    a_X2, a_sx1, a_sx2 = tl.load(f + 7), tl.load(f + 8), tl.load(f + 9)
+    b_X2, b_sx1, b_sx2 = tl.load(f + 12), tl.load(f + 13), tl.load(f + 14)
+    cols = tl.arange(0, BLOCK_X).to(tl.int64)
+    num = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    den = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    aa = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    ab = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    mx = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    flags = tl.full([ROWS, BLOCK_X], 0, tl.int32)
+    n_steps = (X + BLOCK_X - 1) // BLOCK_X
+    i = 0
+    while i < n_steps:
+        x = i * BLOCK_X + cols
+        m = row_ok[:, None] & (x < X)[None, :]
+        a = tl.load(a_ptr + a_row + _offsets(x, a_X2, a_sx1, a_sx2, A_TWO)[None, :], mask=m, other=0.0)
+        b = tl.load(b_ptr + b_row + _offsets(x, b_X2, b_sx1, b_sx2, B_TWO)[None, :], mask=m, other=0.0)
+        num, den, aa, ab, mx, flags = _accumulate(a, b, num, den, aa, ab, mx, flags)
+        i += 1
+    num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad = _reduce_rows(num, den, aa, ab, mx, flags)
+    _store_metrics(out_ptr + tl.load(f + 15), rows, row_ok, R, num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad)
 
 
 # %%
@@ -303,6 +368,74 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
             _combine_kernel[(triton.cdiv(R, block_r),)](part, out, R, split, BLOCK_R=block_r,
                                                         num_warps=1 if INTERPRET else 4)
     return dict(zip(METRICS, out.unbind(0)))
+
+
+def site_errors_sites(pairs: list) -> list[dict]:
+    """`site_errors_fused` of many (dev, ref) pairs without stacking them: one `_sites_kernel` launch per group of
+    pairs that share dtypes, block sizes and row layout, each row read in place and never split into pieces. The
+    values of `site_errors_fused` pair by pair: bit for bit under the interpreter (whose plan never splits); on a GPU
+    within float64 rounding (a row it would split, or the compiler contracting a multiply-add differently), and bit
+    for bit however the pairs are grouped."""
+    out: list = [None] * len(pairs)
+    groups: dict = {}
+    sms = 0 if INTERPRET else None
+    for i, (dev, ref) in enumerate(pairs):
+        a, b = _prepared(dev, ref)
+        S, T = b.shape[0], b.shape[1]
+        R = S * T
+        if R == 0:
+            out[i] = dict(zip(METRICS, torch.empty((4, S, T), dtype=torch.float64, device=b.device).unbind(0)))
+            continue
+        if sms is None:
+            sms = _sm_count(b.device.index if b.device.index is not None else torch.cuda.current_device())
+        X = b.numel() // R
+        cfg = plan(R, X, sms)
+        a, *a_lay = _row_layout(a)
+        b, *b_lay = _row_layout(b)
+        key = (a.dtype, b.dtype, b.device, cfg["BLOCK_X"], cfg["ROWS"], cfg["num_warps"], a_lay[3], b_lay[3])
+        groups.setdefault(key, []).append((i, a, b, S, T, X, a_lay, b_lay))
+    for (_, _, device, block_x, rows, warps, a_two, b_two), items in groups.items():
+        _launch_sites(items, device, block_x, rows, warps, a_two, b_two, out)
+    return out
+
+
+def _prepared(dev: torch.Tensor, ref: torch.Tensor):
+    """site_errors_fused's checks and conversions of one pair (dev on ref's device, unsupported dtypes widened)."""
+    if dev.dim() < 2 or ref.dim() < 2 or dev.shape[:2] != ref.shape[:2] or dev.numel() != ref.numel():
+        raise ValueError(f"site_errors: dev {list(dev.shape)} and ref {list(ref.shape)} must be [S, T, ...] with "
+                         f"the same S, T and elements per (s, t)")
+    a, b = dev.detach(), ref.detach()
+    a = a.to(b.device) if a.device != b.device else a
+    a = a if a.dtype in SUPPORTED else a.to(torch.float64)
+    b = b if b.dtype in SUPPORTED else b.to(torch.float64)
+    if b.numel() == 0 and b.shape[0] * b.shape[1]:
+        raise ValueError(f"site_errors: no elements per (s, t) (ref {list(ref.shape)}): max_abs is undefined")
+    return a, b
+
+
+def _launch_sites(items: list, device, block_x: int, rows: int, warps: int, a_two: bool, b_two: bool, out: list):
+    """One _sites_kernel launch over a group: its table (copied to the device without a wait) and its output."""
+    a0, b0 = items[0][1], items[0][2]
+    table, off, first = [], 0, 0
+    for _, a, b, S, T, X, (a_X2, a_sx1, a_sx2, _), (b_X2, b_sx1, b_sx2, _) in items:
+        R = S * T
+        a_off, a_rem = divmod(a.data_ptr() - a0.data_ptr(), a.element_size())
+        b_off, b_rem = divmod(b.data_ptr() - b0.data_ptr(), b.element_size())
+        assert a_rem == b_rem == 0, "tensors of one dtype lie whole elements apart"
+        table.append([a_off, b_off, R, T, X,
+                      a.stride(0), a.stride(1), a_X2, a_sx1, a_sx2, b.stride(0), b.stride(1), b_X2, b_sx1, b_sx2,
+                      off, first])
+        off += 4 * R
+        first += triton.cdiv(R, rows)
+    table.append([0] * (N_FIELDS - 1) + [1 << 62])          # the sentinel: starts past every program
+    t = torch.tensor(table, dtype=torch.int64)
+    t = t.to(device) if INTERPRET else t.pin_memory().to(device, non_blocking=True)
+    res = torch.empty(off, dtype=torch.float64, device=device)
+    with _quiet():
+        _sites_kernel[(first,)](a0, b0, t, res, len(items), A_TWO=a_two, B_TWO=b_two, ROWS=rows, BLOCK_X=block_x,
+                                num_warps=warps)
+    for (i, _, _, S, T, *_), row in zip(items, table):
+        out[i] = dict(zip(METRICS, res[row[15]:row[15] + 4 * S * T].view(4, S, T).unbind(0)))
 
 
 def _quiet():

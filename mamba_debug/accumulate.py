@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .metrics import METRICS, logit_stats, perplexity, site_errors, site_errors_many
+from .metrics import METRICS, Measured, logit_stats, perplexity, site_errors, site_errors_many
 from .settings import RunSettings
 from .trace import CompareResult
 
@@ -41,11 +41,13 @@ class Accumulator:
         for key, (ref, per_token) in vref.items():
             observed = key in vdev
             dev = vdev[key][0] if observed else None
-            a, b, a32, a64 = (None if v is None else v if per_token else v[:, None]
+            a, b, a32, a64 = (None if v is None or isinstance(v, Measured) else v if per_token else v[:, None]
                               for v in (dev, ref, v32[key][0], v64[key][0]))
             at_end = observed and per_token and not vdev[key][1]   # the device has this state at the ubatch end only
             if not observed:
                 e = _not_observed(b)
+            elif isinstance(dev, Measured):             # measured where it was born (capture='metrics')
+                e, at_end = dev.errors, dev.at_end
             elif a is b or dev is ref:
                 e = _identical(b)                       # shared host blocks: exactly 0
             elif at_end:
@@ -63,8 +65,8 @@ class Accumulator:
         for key, ref, dev, per_token, at_end, e, f in rows:
             if isinstance(e, int):
                 e = measured[e]
-                if at_end:
-                    e = {m: _at_last(v, T) for m, v in e.items()}
+            if at_end:
+                e = {m: _at_last(v, T) for m, v in e.items()}
             if f is not None:
                 floors[key] = measured[f]["rel_l2"]
             f = floors[key]

@@ -152,6 +152,7 @@ class _Loop:
         self.shared = sides["ref32"].shared
         self.fork = None
         self.order = [(i, n) for i, lt in enumerate(sides["ref32"].runner.layer_types) for n in lt.sites]
+        self.at_birth = _measures_at_birth(s, sides, self.ref)
 
     def run(self, tokens, res: CompareResult, progress):
         S, P = tokens.shape
@@ -182,7 +183,11 @@ class _Loop:
         self._generations(res)
 
     def _step(self, u, chunk, acc: Accumulator):
-        out = {name: side.step(chunk) for name, side in self.sides.items()}   # refs first: the others read them
+        out = {}
+        for name, side in self.sides.items():          # refs first: the others read them
+            if name == "device" and self.at_birth:
+                side.measure_against(self.ref.last.sites)
+            out[name] = side.step(chunk)
         for name in ("ref32", "ref64"):                 # a NaN reference is reported, never compared against
             check_reference(name, self.sides[name].info.label, out[name].sites, out[name].logits, u, self.order)
         extra = {}
@@ -225,6 +230,18 @@ class _Loop:
             "reference_ids": ref_gen.tolist(), "device_ids": dev_gen.tolist(),
             "first_difference": [_first_diff(ref_gen[s], dev_gen[s]) for s in range(S)],
         }
+
+
+def _measures_at_birth(s: RunSettings, sides: dict, ref) -> bool:
+    """Whether the device side measures its sites where they are born, against the reference's of the same ubatch,
+    instead of handing copies to the Accumulator: with capture='metrics' (nothing but metrics is kept), no repeat
+    run (it compares the device's values), a torch device side, and the reference on a GPU. On the CPU the
+    Accumulator's stacked torch passes over a whole ubatch are fewer than over each layer's sites (metrics.py)."""
+    return (s.capture == "metrics" and "repeat" not in sides and hasattr(sides["device"], "measure_against")
+            and (ref.info.device != "cpu" or AT_BIRTH_ON_CPU))
+
+
+AT_BIRTH_ON_CPU = False     # tests: the at-birth path on a machine without a GPU (same values, slower)
 
 
 def _first_diff(a, b):

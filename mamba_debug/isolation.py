@@ -1,10 +1,19 @@
 """Damage is detected, not absorbed: a plug-in op that writes into the tensors it was handed is caught by comparing
 its inputs, bit for bit, before and after the call (`plugins.checked_op`). The op still receives the very tensors
 (strided views included: copying them into contiguous ones would hide the #6758 class of bug); only the snapshot
-is a copy. `states_out` is an output buffer the op is meant to fill, so it is not checked."""
+is a copy. `states_out` is an output buffer the op is meant to fill, so it is not checked.
+
+On a GPU, comparing after every call (`torch.equal`) waits for the GPU each time: about two waits per layer and
+ubatch, each leaving the device idle while the host queues the next kernels. Inside `deferred()` (a Runner's forward
+pass) the comparison of GPU inputs is queued instead (a flag on the device per input, the snapshot freed at once)
+and settled with one wait when the block ends: the same check and message, once per forward pass."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from .errors import PluginError
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 NOT_CHECKED = frozenset({"states_out"})
@@ -27,3 +36,52 @@ def snapshot_inputs(args: tuple, kwargs: dict) -> list:
 def changed_inputs(snapshot: list, args: tuple = (), kwargs: dict | None = None) -> list:
     """Names of the inputs whose bits differ from their snapshot."""
     return [name for name, t, copy in snapshot if t.shape != copy.shape or not torch.equal(_bits(t), _bits(copy))]
+
+
+_PENDING: list | None = None      # inside deferred(): (message, [(input name, device flag)]) per checked GPU call
+DEFER_ON_CPU = False              # tests: the deferred path without a GPU
+
+
+def defer(snapshot: list, message) -> bool:
+    """Queue the check of one call's inputs (inside `deferred()`, GPU inputs): True if queued. message(names) is the
+    error for the inputs found changed."""
+    if _PENDING is None or not snapshot or not (snapshot[0][1].is_cuda or DEFER_ON_CPU):
+        return False
+    flags = [(name, torch.tensor(True, device=t.device) if t.shape != copy.shape
+              else torch.ne(_bits(t), _bits(copy)).any()) for name, t, copy in snapshot]
+    _PENDING.append((message, flags))
+    return True
+
+
+@contextlib.contextmanager
+def deferred():
+    """Checks queued by `defer` inside this block are settled at its end with one wait; nested blocks settle in the
+    outermost. An op that wrote into its inputs is reported even when the block ends in an error (the write is
+    then the likelier cause)."""
+    global _PENDING
+    if _PENDING is not None:
+        yield
+        return
+    _PENDING = pending = []
+    try:
+        yield
+    except BaseException as exc:
+        _PENDING = None
+        _settle(pending, cause=exc)
+        raise
+    _PENDING = None
+    _settle(pending)
+
+
+def _settle(pending: list, cause=None):
+    """One wait for every queued flag; the first call found to have written into its inputs raises."""
+    flat = [f for _, flags in pending for _, f in flags]
+    if not flat:
+        return
+    found = torch.stack([f.to(flat[0].device) for f in flat]).cpu().tolist()
+    i = 0
+    for message, flags in pending:
+        names = [name for (name, _), hit in zip(flags, found[i:i + len(flags)]) if hit]
+        i += len(flags)
+        if names:
+            raise PluginError(message(names)) from cause

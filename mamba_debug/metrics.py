@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,62 +86,75 @@ def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.
 
 
 STACK_MAX_ELEMENTS = 1 << 22     # a stacked group of sites is cut beyond this many elements (memory)
-FUSED_STACK_MAX_ELEMENTS = 1 << 27   # on a GPU: at most ~1.6 GB of stacked copies (float32 dev, float64 ref)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A device site measured where it was born (`birth_pair`, then `site_errors_many`), in place of its value: its
+    `site_errors` against the reference's value of the same ubatch, and whether the device had it at the ubatch
+    end only."""
+    errors: dict
+    at_end: bool = False
+
+
+def birth_pair(dev: torch.Tensor, dev_per_token: bool, ref: torch.Tensor, ref_per_token: bool):
+    """The (dev, ref) pair the Accumulator would form for a device site and the reference's (value, per_token) of
+    the same ubatch, and whether it is the device's state at the ubatch end (measured against the reference's last
+    token); None for a pairing it does not measure (a per-token device value against a reference taken at the
+    ubatch end: the Accumulator handles that from the value)."""
+    if ref_per_token and dev_per_token:
+        return (dev, ref), False
+    if ref_per_token:
+        return (dev[:, None], ref[:, -1:]), True
+    if not dev_per_token:
+        return (dev[:, None], ref[:, None]), False
+    return None
 
 
 def site_errors_many(pairs: list) -> list:
     """`site_errors` of many (dev, ref) pairs: [dict, ...] in the pairs' order, the same values bit for bit.
 
-    The pairs of one shape and dtypes are stacked and measured together, the same bits in far fewer calls:
-    * on the CPU with one torch thread (what a small model runs with, `backends.cpu_threads_for`), ~10 stacked
-      torch passes per shape instead of ~25 tiny torch calls per site, which dominated a small model's comparison.
-      Every metric is elementwise or a reduction over each row's own contiguous elements, so each row is the same
-      sum in the same order (with more threads a reduction could be split differently: each pair on its own);
-    * on a GPU, one fused kernel launch per group (`_fused_stacked`) instead of one per site: ~100 us of host work
-      per launch made the metrics of a 2.8B comparison 10 s of its 48."""
+    * on the CPU with one torch thread (what a small model runs with, `backends.cpu_threads_for`) the pairs of one
+      shape and dtypes are stacked: ~10 stacked torch passes per shape instead of ~25 tiny torch calls per site,
+      which dominated a small model's comparison. Every metric is elementwise or a reduction over each row's own
+      contiguous elements, so each row is the same sum in the same order (with more threads a reduction could be
+      split differently: each pair on its own);
+    * on a GPU, `_site_metrics.site_errors_sites`: one launch of the fused kernel per group of like pairs, each read
+      where it lies. One launch per pair (~100 us of host work each) made the metrics of a 2.8B comparison 10 s of
+      its 48; stacking them instead copied every value (issue #18: never copy what is only to be reduced)."""
     out: list = [None] * len(pairs)
     groups: dict = {}
+    on_gpu = [i for i, (_, ref) in enumerate(pairs) if ref.is_cuda]
+    if on_gpu:
+        for i, e in zip(on_gpu, _fused_module(interpret=False).site_errors_sites([pairs[i] for i in on_gpu])):
+            out[i] = e
     for i, (dev, ref) in enumerate(pairs):
         if ref.is_cuda:
-            groups.setdefault(("fused", tuple(dev.shape), dev.dtype, tuple(ref.shape), ref.dtype, ref.device),
-                              []).append(i)
             continue
         if torch.get_num_threads() != 1 or not (dev.is_contiguous() and ref.is_contiguous()):
             out[i] = site_errors(dev, ref)
             continue
-        groups.setdefault(("torch", tuple(dev.shape), dev.dtype, tuple(ref.shape), ref.dtype), []).append(i)
-    for (how, shape, *_), idx in groups.items():
-        limit = FUSED_STACK_MAX_ELEMENTS if how == "fused" else STACK_MAX_ELEMENTS
-        step = max(1, limit // max(1, math.prod(shape)))
+        groups.setdefault((tuple(dev.shape), dev.dtype, tuple(ref.shape), ref.dtype), []).append(i)
+    for (shape, *_), idx in groups.items():
+        step = max(1, STACK_MAX_ELEMENTS // max(1, math.prod(shape)))
         for k in range(0, len(idx), step):
             part = idx[k:k + step]
             if len(part) == 1:
                 out[part[0]] = site_errors(*pairs[part[0]])
                 continue
-            measure = _fused_stacked if how == "fused" else lambda d, r, _: _site_errors_torch(d, r)
-            for i, e in zip(part, _stacked([pairs[i] for i in part], measure)):
+            for i, e in zip(part, _stacked([pairs[i] for i in part])):
                 out[i] = e
     return out
 
 
-def _stacked(pairs: list, measure) -> list:
-    """Pairs of one shape measured as one [n*S, T, X] pair; a dict per pair."""
+def _stacked(pairs: list) -> list:
+    """CPU pairs of one shape measured as one [n*S, T, X] pair by the torch version; a dict per pair."""
     S, T = pairs[0][1].shape[:2]
     n = len(pairs)
     dev = torch.stack([d.to(r.device) for d, r in pairs]).reshape(n * S, T, -1)
     ref = torch.stack([r for _, r in pairs]).reshape(n * S, T, -1)
-    e = {m: v.reshape(n, S, T).unbind(0) for m, v in measure(dev, ref, S * T).items()}
+    e = {m: v.reshape(n, S, T).unbind(0) for m, v in _site_errors_torch(dev, ref).items()}
     return [{m: v[j] for m, v in e.items()} for j in range(n)]
-
-
-def _fused_stacked(dev: torch.Tensor, ref: torch.Tensor, rows_per_pair: int) -> dict:
-    """The fused kernel on stacked pairs, cut as it cuts one pair (`_site_metrics.plan` of one pair's rows): each
-    row is summed in the same pieces and order as when its pair is measured alone, so the same bits."""
-    mod = _fused_module(interpret=not ref.is_cuda)
-    sms = 0 if not ref.is_cuda else mod._sm_count(ref.device.index if ref.device.index is not None
-                                                  else torch.cuda.current_device())
-    config = mod.plan(rows_per_pair, ref[0, 0].numel(), sms)
-    return mod.site_errors_fused(dev, ref, config)
 
 
 def nmse(a: torch.Tensor, b: torch.Tensor) -> float:

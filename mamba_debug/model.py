@@ -21,6 +21,7 @@ from .arch import MODEL_SITES, LayerContext, all_sites, layer_type
 from .backends import Backend, cpu_backend, cpu_threads_for, reference_backend
 from .config import ModelConfig
 from .errors import MambaDebugError
+from .isolation import deferred
 from .ops import OpTable
 from .placement import Placement
 from .settings_checks import check_n_gen
@@ -225,7 +226,12 @@ class Runner:
         """One ubatch [S, T] continuing from the current states; returns logits [S, T, V] (head's dtype).
 
         resume=(layer, h): skip the blocks below `layer` and start from their known output h (a side that shares its
-        host blocks with another side's run starts at its boundary instead of computing them twice)."""
+        host blocks with another side's run starts at its boundary instead of computing them twice).
+        A plug-in op's inputs on a GPU are checked for writes once, at the end (isolation.deferred)."""
+        with deferred():
+            return self._forward(tokens, resume)
+
+    def _forward(self, tokens: torch.Tensor, resume: Optional[tuple]) -> torch.Tensor:
         if tokens.shape[0] != self.n_seqs:
             raise MambaDebugError(f"ubatch has {tokens.shape[0]} sequences but the runner holds {self.n_seqs}")
         start, h = resume if resume is not None else (0, None)

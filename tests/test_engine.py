@@ -17,7 +17,10 @@ from mamba_debug.trace import TRACE_VERSION, load_trace, save_trace
 from mamba_debug.views import summary, to_json
 from mamba_debug.sweep import bisect_layer, run_sweep
 
+import mamba_debug as md
 from conftest import random_model
+
+DATA = md.__path__[0] + "/../data"
 
 PROMPT = [(11 * i + 5) % 61 for i in range(20)]
 
@@ -319,6 +322,38 @@ def test_reference_device_code_path_gives_the_cpu_result(model, plugin, monkeypa
     for k in base.errors:
         for m in base.errors[k]:
             torch.testing.assert_close(other.errors[k][m], base.errors[k][m], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("which", ["mamba1", "hybrid"])
+def test_sites_measured_at_birth_give_the_accumulators_result(model, plugin, monkeypatch, which):
+    """capture='metrics' with the reference on a GPU measures each device site where it is born, against the
+    reference's value of the same ubatch (no copy). Forced on the CPU here: every error, floor and logit statistic
+    bit for bit as the Accumulator's own measurement: a bug found at the same place, a plug-in whose SSM state comes
+    at the ubatch end only, a hybrid, several sequences and a last ubatch cut short."""
+    from mamba_debug import compare, metrics
+    from mamba_debug.sides import torch_side
+    m = model if which == "mamba1" else md.load_model(f"{DATA}/tiny-granite-hybrid")
+    no_states_out = STRIDED_SILU + "\nSUPPORTS_STATES_OUT = False\n"     # its SSM state at ubatch ends only
+    kw = dict(offload=2, kernels=plugin(no_states_out) if which == "mamba1" else "torch", capture="metrics",
+              n_seqs=2, ubatch=6, n_gen=3)
+    base = _run(m, **kw)
+    calls = []
+    monkeypatch.setattr(compare, "AT_BIRTH_ON_CPU", True)
+    monkeypatch.setattr(torch_side, "birth_pair", lambda *a: calls.append(a[1::2]) or metrics.birth_pair(*a))
+    born = _run(m, **kw)
+    assert (False, True) in calls or which == "hybrid", "no state measured against a per-token reference"
+    assert (True, True) in calls and (False, False) in calls
+    assert born.first_divergence == base.first_divergence
+    assert (born.first_divergence is not None) == (which == "mamba1")
+    for name in ("floor", "logits"):
+        a, b = getattr(born, name), getattr(base, name)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True)
+    assert born.errors.keys() == base.errors.keys()
+    for k in base.errors:
+        for m_ in base.errors[k]:
+            torch.testing.assert_close(born.errors[k][m_], base.errors[k][m_], rtol=0, atol=0, equal_nan=True)
 
 
 def test_capture_copies_values_and_keeps_them_where_asked():

@@ -136,6 +136,37 @@ def test_plugin_writing_into_its_inputs_is_reported(tmp_path, folder, capsys):
     assert rc == 2 and "silu" in err and "wrote into its input" in err
 
 
+@pytest.mark.parametrize("then", ["returns", "crashes"])
+def test_a_write_into_the_inputs_found_at_the_end_of_the_forward_pass(tmp_path, folder, capsys, monkeypatch, then):
+    """On a GPU the check is deferred to the end of each forward pass (one wait, not one per call): forced on the
+    CPU here. The same error names the op and the input, also when a later op fails on what the write left, and a
+    clean plug-in passes."""
+    from mamba_debug import isolation
+    monkeypatch.setattr(isolation, "DEFER_ON_CPU", True)
+    queued = []
+    real = isolation.defer
+    monkeypatch.setattr("mamba_debug.plugins.defer", lambda *a: queued.append(1) or real(*a))
+    later = "" if then == "returns" else ("def ssm_scan(*a, **k):\n    raise RuntimeError('garbage in')\n"
+                                           "OPS['ssm_scan'] = ssm_scan\n")        # runs after silu
+    plug = _plugin(tmp_path, "def silu(x):\n    out = F.silu(x)\n    x[..., :1] = 7\n    return out\n"
+                   "OPS = {'silu': silu}\n" + later)
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--kernels", plug, *FAST)
+    assert queued and rc == 2 and "op silu" in err and "wrote into its input(s) argument 0" in err
+    (tmp_path / "clean").mkdir()
+    clean = _plugin(tmp_path / "clean", "def silu(x):\n    return F.silu(x)\nOPS = {'silu': silu}\n")
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--kernels", clean, *FAST)
+    assert rc == 0, err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU run checks this")
+def test_a_write_into_the_inputs_on_a_gpu_is_found_with_one_wait(tmp_path, folder, capsys):
+    plug = _plugin(tmp_path, "def silu(x):\n    out = F.silu(x)\n    x[..., :1] = 7\n    return out\n"
+                   "OPS = {'silu': silu}\n")
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--kernels", plug, "--prompt", "1 2 3 4 5", "--n-gen",
+                      "1", "--device", "cuda", "--ref-device", "cuda")
+    assert rc == 2 and "op silu" in err and "wrote into its input(s) argument 0" in err
+
+
 def test_device_never_holds_a_reference_weight_tensor():
     from mamba_debug.backends import cpu_backend, device_backend
     m = random_model()

@@ -275,6 +275,75 @@ def test_site_errors_on_a_gpu_is_the_kernel():
     assert_same(site_errors(host, ref), _site_errors_torch(host, ref))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU run checks this (MAMBA_DEBUG_TEST_DEVICE=cuda)")
+def test_a_gpu_comparison_measured_at_birth_or_alone_gives_the_same_result(monkeypatch):
+    """capture='metrics' with the reference on the GPU: the device's sites measured where they are born (a layer's
+    together) or handed to the Accumulator give the same errors, floors and logits bit for bit; every pair measured
+    alone by the single-pair kernel, the same within float64 rounding."""
+    from conftest import random_model
+    from mamba_debug import compare
+    from mamba_debug.compare import CompareSettings, run_compare
+    model, prompt = random_model(n_layer=4), [(11 * i + 5) % 61 for i in range(20)]
+    s = CompareSettings(device="cuda", kernels="triton", ref_device="cuda", capture="metrics", offload=2,
+                        n_seqs=2, ubatch=6, n_gen=3)
+    born = run_compare(model, prompt, s)
+    monkeypatch.setattr(compare, "_measures_at_birth", lambda *a: False)
+    handed = run_compare(model, prompt, s)
+    one_by_one = lambda pairs: [site_errors(*p) for p in pairs]  # noqa: E731
+    monkeypatch.setattr("mamba_debug.accumulate.site_errors_many", one_by_one)
+    alone = run_compare(model, prompt, s)
+    for res, exact in ((born, True), (alone, False)):      # alone: the single-pair kernel, float64 rounding
+        for name in ("floor", "logits"):
+            a, b = getattr(res, name), getattr(handed, name)
+            assert a.keys() == b.keys()
+            for k in a:
+                if exact or name == "logits":
+                    assert torch.equal(a[k].nan_to_num(7.0), b[k].nan_to_num(7.0)), (name, k)
+                else:
+                    torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=0, equal_nan=True)
+        assert res.errors.keys() == handed.errors.keys()
+        for k, e in handed.errors.items():
+            if exact:
+                assert all(torch.equal(res.errors[k][m].nan_to_num(7.0), e[m].nan_to_num(7.0)) for m in e), k
+            else:
+                assert_same(res.errors[k], e)
+
+
+def test_many_sites_in_one_launch_read_in_place_give_each_pairs_values():
+    """site_errors_sites: pairs of several dtypes, layouts (contiguous, a transposed view, a slice of the tokens),
+    sizes (short rows packed, a long row), NaN/Inf and an empty ubatch, in few launches and without stacking copies:
+    each pair's values as the kernel gives it alone (bit for bit under the interpreter, within float64 rounding on
+    CUDA), and as the torch version gives them."""
+    mod = metrics._fused_module(interpret=DEVICE != "cuda")
+    ref1 = rand(2, 3, 40).to(TORCH_DEVICE)
+    dev1 = near(ref1)
+    dev1[0, 1, 3], dev1[1, 2, 0] = NAN, INF
+    ref2 = rand(1, 5, 7, 3, seed=2).to(TORCH_DEVICE)
+    ref3 = rand(3, 4, 16, 8, seed=3, dtype=torch.float32).to(TORCH_DEVICE).transpose(2, 3)
+    long_ref = rand(1, 2, 5000, seed=4).to(TORCH_DEVICE)
+    pairs = [(dev1, ref1), (near(ref2, dtype=torch.float64), ref2), (ref3 + 1e-2, ref3),
+             (dev1[:, :2], ref1[:, :2]), (near(long_ref), long_ref),
+             (torch.zeros(1, 0, 4, device=TORCH_DEVICE), torch.zeros(1, 0, 4, device=TORCH_DEVICE))]
+    pairs += [(near(r, seed=k), r) for k, r in ((5, ref1), (6, rand(2, 3, 40, seed=6).to(TORCH_DEVICE)))]
+    pairs += [(near(r, seed=k), r) for k in range(7, 30) for r in [rand(2, 3, 40, seed=k).to(TORCH_DEVICE)]]
+    launches = []
+    real = mod._sites_kernel
+    mod._sites_kernel = type("Count", (), {"__getitem__": lambda self, g: launches.append(g) or real[g]})()
+    try:
+        got = mod.site_errors_sites(pairs)
+    finally:
+        mod._sites_kernel = real
+    assert len(launches) <= len(pairs) - 3          # the last two share the first pair's launch; none for the empty
+    for (dev, ref), e in zip(pairs, got):
+        alone = mod.site_errors_fused(dev, ref)
+        assert_same(e, alone)
+        if not alone["rel_l2"].numel():
+            continue
+        assert_same(e, _site_errors_torch(dev, ref))
+        if DEVICE != "cuda":       # the interpreter's plan never splits a row: the same bits
+            assert all(torch.equal(e[m].nan_to_num(7.0), alone[m].nan_to_num(7.0)) for m in METRICS)
+
+
 class _FakeCuda(torch.Tensor):
     @property
     def is_cuda(self):
@@ -329,11 +398,12 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-def test_stacked_pairs_through_the_kernel_are_each_pair_bit_for_bit():
-    """On a GPU site_errors_many measures the pairs of one shape in one launch of the fused kernel, cut as one pair
-    is cut: each value is the bits the pair gets alone (here under the interpreter on the CPU, or on CUDA),
-    including NaN/inf patterns, rows split into pieces and a float32-vs-float64 pair."""
-    from mamba_debug.metrics import _fused_stacked, _stacked
+def test_like_pairs_through_the_kernel_are_each_pair_bit_for_bit():
+    """On a GPU site_errors_many measures like pairs in one launch of the fused kernel: each value is the bits the
+    pair gets alone under the interpreter, and within float64 rounding of them on CUDA, including NaN/inf patterns,
+    rows the single-pair plan splits into pieces and a float32-vs-float64 pair."""
+    from mamba_debug.metrics import site_errors_many
+    mod = metrics._fused_module(interpret=DEVICE != "cuda")
     g = torch.Generator().manual_seed(11)
     dev_of = "cuda" if DEVICE == "cuda" else "cpu"
     for shape, ref_dtype in [((1, 3, 40), torch.float64), ((2, 1, 5000), torch.float32), ((1, 4, 2, 33), torch.float64)]:
@@ -346,9 +416,12 @@ def test_stacked_pairs_through_the_kernel_are_each_pair_bit_for_bit():
             if k == 2:
                 ref.view(-1)[0] = INF
             pairs.append((dev.to(dev_of), ref.to(dev_of)))
-        got = _stacked(pairs, _fused_stacked)
+        got = site_errors_many(pairs) if DEVICE == "cuda" else mod.site_errors_sites(pairs)
         for (dev, ref), e in zip(pairs, got):
             want = fused_site_errors(dev, ref)
+            if DEVICE == "cuda":    # a row the plan splits, or another FMA contraction: float64 rounding
+                assert_same(e, want)
+                continue
             for m in METRICS:
                 assert torch.equal(e[m].isnan(), want[m].isnan()), (m, shape)
                 assert torch.equal(e[m].nan_to_num(0.0), want[m].nan_to_num(0.0)), (m, shape)

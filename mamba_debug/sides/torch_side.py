@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..arch import site_order
+from ..metrics import Measured, birth_pair, site_errors_many
 from ..model import Model, Runner
 from ..settings import RunSettings
 from ..trace import SideInfo
@@ -27,15 +28,29 @@ class Capture:
     blocks come from torch's caching host allocator: from the second ubatch on the same sizes are reused.
     to_host=False (reference on the GPU): values stay on their device; only metrics go to the host later.
     Either way the value is a copy, as an op may later write into a tensor it was handed (a state) in place.
+
+    `against` (set by compare for one ubatch, capture='metrics'): the reference's site values of this ubatch. A site
+    found there is measured where it is born and kept as its `Measured` errors, never copied: nothing but its
+    metrics is ever asked of it. A layer's sites are measured together when the next layer starts (on a GPU one or
+    two launches of the fused kernel, each site read where it lies: `metrics.site_errors_many`).
     """
 
     def __init__(self, to_host: bool = True):
         self.to_host = to_host
         self.values: dict = {}
         self.pending = False       # non-blocking copies issued since the last take()
+        self.against: Optional[dict] = None
+        self.born: list = []       # this layer's sites to measure: (key, per_token, (dev, ref), at_end)
 
     def site(self, layer, site, value, per_token):
         value = value.detach()
+        ref = self.against.get((layer, site)) if self.against is not None else None
+        born = birth_pair(value, per_token, *ref) if ref is not None else None
+        if born is not None:
+            if self.born and self.born[-1][0][0] != layer:
+                self._measure_born()
+            self.born.append(((layer, site), per_token, *born))
+            return
         if self.to_host and value.is_cuda:
             copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             copy.copy_(value, non_blocking=True)
@@ -46,7 +61,14 @@ class Capture:
             copy = value.clone()
         self.values[(layer, site)] = (copy, per_token)
 
+    def _measure_born(self):
+        born, self.born = self.born, []
+        for (key, per_token, _, at_end), e in zip(born, site_errors_many([pair for _, _, pair, _ in born])):
+            self.values[key] = (Measured(e, at_end), per_token)
+
     def take(self) -> dict:
+        self._measure_born()
+        self.against = None        # this ubatch's reference values: not held past it
         if self.pending:           # the one wait of this ubatch: every copy above has landed after it
             torch.cuda.synchronize()
             self.pending = False
@@ -99,6 +121,12 @@ class TorchSide:
 
     def observed_sites(self) -> frozenset:
         return frozenset(site_order(self.model.config))
+
+    def measure_against(self, sites: Optional[dict]):
+        """The next step's sites found in `sites` (the reference's of the same ubatch) are measured at birth (see
+        Capture); the logits always come as a value (the Accumulator's logit statistics need it)."""
+        self.capture.against = None if sites is None else {k: v for k, v in sites.items() if k[0] is not None
+                                                           or k[1] != "logits"}
 
     def step(self, tokens: torch.Tensor) -> StepOutput:
         self.u += 1

@@ -1,0 +1,56 @@
+"""The product's Triton kernels and the metric kernels compiled for an H200 (sm_90) on a machine without a GPU.
+
+CI runs every kernel under Triton's interpreter, which executes what the compiler refuses (a global that is not a
+tl.constexpr cost a GPU call once). Here each kernel is compiled for CUDA with the launch parameters the GPU plans
+use, in a process whose triton is not interpreted; nothing runs. A GPU run (MAMBA_DEBUG_TEST_DEVICE=cuda) compiles
+them for real, so this file is skipped there.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if os.environ.get("MAMBA_DEBUG_TEST_DEVICE") == "cuda":
+    pytest.skip("the GPU run compiles the kernels for real", allow_module_level=True)
+
+CODE = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from mamba_debug.metrics import _fused_module
+from mamba_debug.plugins import load_plugin
+
+def build(kernel, consts, floats=(), types=None, warps=4):
+    types = types or {}
+    sig = {a: "constexpr" if a in consts else types.get(a) or ("*fp32" if a.endswith(("_ptr", "anchor")) else
+           "fp32" if a in floats else "i32") for a in kernel.arg_names}
+    compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+k1, k2 = (load_plugin(name, device="cuda").module for name in ("triton", "triton_mamba2"))
+m = _fused_module(False)
+build(k1._ssm_conv_kernel, dict(K=4, BLOCK_KM1=4, BLOCK_K=4, BLOCK_T=32, BLOCK_D=64))
+for chunked, summary in ((True, True), (True, False), (False, False)):
+    build(k1._ssm_scan_kernel, dict(SUMMARY=summary, PREFETCH=2 if chunked else 1, CHUNKED=chunked,
+                                    HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16), warps=2)
+build(k1._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, TILE_T=16))
+build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=True, BLOCK_P=64, BLOCK_N=128))
+build(k2._ssd_chunked_kernel, dict(BLOCK_Q=64, BLOCK_P=64, BLOCK_N=128))
+build(k2._gated_norm_kernel, dict(BLOCK=1024), floats=("eps",))
+f64 = {"b_anchor": "*fp64", "b_ptr": "*fp64", "out_ptr": "*fp64", "part_ptr": "*fp64", "table_ptr": "*i64"}
+build(m._sites_kernel, dict(A_TWO=True, B_TWO=False, ROWS=1, BLOCK_X=1024), types=f64, warps=8)
+build(m._row_stats_kernel, dict(A_TWO=False, B_TWO=True, FINAL=False, ROWS=4, BLOCK_X=256), types=f64)
+build(m._combine_kernel, dict(BLOCK_R=128), types=f64)
+print("ok")
+"""
+
+
+def test_every_kernel_compiles_for_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-4000:]
