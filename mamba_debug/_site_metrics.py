@@ -86,21 +86,43 @@ def _store_metrics(out_ptr, rows, ok, R, num, den, aa, ab, mx, a_bad, b_bad):
 
 
 @_device_function
-def _accumulate(a, b, num, den, aa, ab, mx, flags):
-    """One step of a row's sums, per element lane: a, b as loaded (masked lanes 0)."""
-    a = a.to(tl.float64)                  # exact for every supported dtype; all arithmetic below in float64
-    b = b.to(tl.float64)
-    d = a - b
-    d_fin = tl.abs(d) < INF               # isfinite: False for +-inf and NaN
-    d = tl.where(d_fin, d, 0.0)
-    mx = tl.maximum(mx, tl.abs(d))        # never NaN: non-finite differences are 0 here
-    flags = flags | tl.where(tl.abs(a) < INF, 0, 1) | tl.where(tl.abs(b) < INF, 0, 2)
-    return num + d * d, den + b * b, aa + a * a, ab + a * b, mx, flags
-
-
-@_device_function
-def _reduce_rows(num, den, aa, ab, mx, flags):
-    """The lanes of each row combined by tl.reduce's fixed tree (tl.sum(.., axis=1), see the module docstring)."""
+def _row_sums(a_ptr, b_ptr, rows, row_ok, T, a_ss, a_st, a_X2, a_sx1, a_sx2, b_ss, b_st, b_X2, b_sx1, b_sx2,
+              base, n_steps, X, A_TWO: tl.constexpr, B_TWO: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK_X: tl.constexpr):
+    """num, den, aa, ab, mx, a_bad, b_bad of `rows` (row = s * T + t) over their elements [base, base + n_steps *
+    BLOCK_X) clipped to X, each [ROWS]: per-lane float64 sums (and non-finite flags, bit 0: a, bit 1: b) in a fixed
+    order, then the lanes combined by tl.reduce's fixed tree (tl.sum(.., axis=1), see the module docstring). The
+    offset of a step is `base + i * BLOCK_X`, not a loop-carried pointer: the compiler then knows its alignment (a
+    while loop's carried values have none) and can load 16 bytes at a time."""
+    s = rows // T
+    t = rows - s * T
+    a_row = (s * a_ss + t * a_st)[:, None]
+    b_row = (s * b_ss + t * b_st)[:, None]
+    cols = tl.arange(0, BLOCK_X).to(tl.int64)
+    num = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    den = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    aa = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    ab = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    mx = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
+    flags = tl.full([ROWS, BLOCK_X], 0, tl.int32)
+    i = 0
+    while i < n_steps:
+        x = base + i * BLOCK_X + cols
+        m = row_ok[:, None] & (x < X)[None, :]
+        a = tl.load(a_ptr + a_row + _offsets(x, a_X2, a_sx1, a_sx2, A_TWO)[None, :], mask=m, other=0.0)
+        b = tl.load(b_ptr + b_row + _offsets(x, b_X2, b_sx1, b_sx2, B_TWO)[None, :], mask=m, other=0.0)
+        a = a.to(tl.float64)                  # exact for every supported dtype; all arithmetic below in float64
+        b = b.to(tl.float64)
+        d = a - b
+        d_fin = tl.abs(d) < INF               # isfinite: False for +-inf and NaN
+        d = tl.where(d_fin, d, 0.0)
+        num += d * d
+        den += b * b
+        aa += a * a
+        ab += a * b
+        mx = tl.maximum(mx, tl.abs(d))        # never NaN: non-finite differences are 0 here
+        flags = flags | tl.where(tl.abs(a) < INF, 0, 1) | tl.where(tl.abs(b) < INF, 0, 2)
+        i += 1
     return (tl.reduce(num, 1, tl.standard._sum_combine), tl.reduce(den, 1, tl.standard._sum_combine),
             tl.reduce(aa, 1, tl.standard._sum_combine), tl.reduce(ab, 1, tl.standard._sum_combine),
             tl.reduce(mx, 1, tl.standard._elementwise_max), tl.reduce(flags & 1, 1, tl.standard._elementwise_max),
@@ -125,33 +147,12 @@ def _row_stats_kernel(
     # 64-bit from the start: no offset product can overflow (and the interpreter skips its overflow checks)
     rows = pid_r * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = rows < R
-    s = rows // T
-    t = rows - s * T
-    a_row = (s * a_ss + t * a_st)[:, None]
-    b_row = (s * b_ss + t * b_st)[:, None]
-    cols = tl.arange(0, BLOCK_X).to(tl.int64)
-
-    # Per-lane float64 accumulators (and non-finite flags, bit 0: a, bit 1: b), reduced across lanes at the end.
-    num = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    den = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    aa = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    ab = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    mx = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    flags = tl.full([ROWS, BLOCK_X], 0, tl.int32)
-    # This program's piece of the rows: [base, base + CHUNK) clipped to X, in steps of BLOCK_X. The offset of a step
-    # is `base + i * BLOCK_X`, not a loop-carried pointer: the compiler then knows its alignment (a while loop's
-    # carried values have none) and can load 16 bytes at a time.
+    # This program's piece of the rows: [base, base + CHUNK) clipped to X
     base = pid_k * CHUNK
     n_steps = (tl.minimum(CHUNK, X - base) + BLOCK_X - 1) // BLOCK_X
-    i = 0
-    while i < n_steps:
-        x = base + i * BLOCK_X + cols
-        m = row_ok[:, None] & (x < X)[None, :]
-        a = tl.load(a_ptr + a_row + _offsets(x, a_X2, a_sx1, a_sx2, A_TWO)[None, :], mask=m, other=0.0)
-        b = tl.load(b_ptr + b_row + _offsets(x, b_X2, b_sx1, b_sx2, B_TWO)[None, :], mask=m, other=0.0)
-        num, den, aa, ab, mx, flags = _accumulate(a, b, num, den, aa, ab, mx, flags)
-        i += 1
-    num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad = _reduce_rows(num, den, aa, ab, mx, flags)
+    num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad = _row_sums(
+        a_ptr, b_ptr, rows, row_ok, T, a_ss, a_st, a_X2, a_sx1, a_sx2, b_ss, b_st, b_X2, b_sx1, b_sx2,
+        base, n_steps, X, A_TWO, B_TWO, ROWS, BLOCK_X)
     if FINAL:
         _store_metrics(out_ptr, rows, row_ok, R, num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad)
     else:
@@ -225,31 +226,11 @@ def _sites_kernel(
     R, T, X = tl.load(f + 2), tl.load(f + 3), tl.load(f + 4)
     rows = (pid - tl.load(f + 16)) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = rows < R
-    s = rows // T
-    t = rows - s * T
-    a_row = (s * tl.load(f + 5) + t * tl.load(f + 6))[:, None]
-    b_row = (s * tl.load(f + 10) + t * tl.load(f + 11))[:, None]
-    a_ptr = a_anchor + tl.load(f)
-    b_ptr = b_anchor + tl.load(f + 1)
-    a_X2, a_sx1, a_sx2 = tl.load(f + 7), tl.load(f + 8), tl.load(f + 9)
-    b_X2, b_sx1, b_sx2 = tl.load(f + 12), tl.load(f + 13), tl.load(f + 14)
-    cols = tl.arange(0, BLOCK_X).to(tl.int64)
-    num = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    den = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    aa = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    ab = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    mx = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
-    flags = tl.full([ROWS, BLOCK_X], 0, tl.int32)
-    n_steps = (X + BLOCK_X - 1) // BLOCK_X
-    i = 0
-    while i < n_steps:
-        x = i * BLOCK_X + cols
-        m = row_ok[:, None] & (x < X)[None, :]
-        a = tl.load(a_ptr + a_row + _offsets(x, a_X2, a_sx1, a_sx2, A_TWO)[None, :], mask=m, other=0.0)
-        b = tl.load(b_ptr + b_row + _offsets(x, b_X2, b_sx1, b_sx2, B_TWO)[None, :], mask=m, other=0.0)
-        num, den, aa, ab, mx, flags = _accumulate(a, b, num, den, aa, ab, mx, flags)
-        i += 1
-    num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad = _reduce_rows(num, den, aa, ab, mx, flags)
+    num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad = _row_sums(
+        a_anchor + tl.load(f), b_anchor + tl.load(f + 1), rows, row_ok, T,
+        tl.load(f + 5), tl.load(f + 6), tl.load(f + 7), tl.load(f + 8), tl.load(f + 9),
+        tl.load(f + 10), tl.load(f + 11), tl.load(f + 12), tl.load(f + 13), tl.load(f + 14),
+        0, (X + BLOCK_X - 1) // BLOCK_X, X, A_TWO, B_TWO, ROWS, BLOCK_X)
     _store_metrics(out_ptr + tl.load(f + 15), rows, row_ok, R, num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad)
 
 
