@@ -218,7 +218,7 @@ def _ssm_scan_kernel(
     if CHUNKED:
         summary_offs = (pid_s * N_CHUNKS) * D * N + offs_d[:, None] * N + offs_n[None, :]
     if SUMMARY:
-        h = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+        h = tl.full([BLOCK_D, BLOCK_N], 0.0, tl.float32)
         decay = tl.full([BLOCK_D, BLOCK_N], 1.0, dtype=tl.float32)
     else:
         h = tl.load(state_ptr + pid_s * stride_state_s
@@ -374,7 +374,7 @@ def _ssm_scan_tiled_kernel(
         delta = _softplus(dt)[:, :, None]                                                # [TILE_T, BLOCK_D, 1]
         decays = tl.exp2(delta * A[None, :, :])                                          # [TILE_T, BLOCK_D, BLOCK_N]
         inputs = Bt[:, None, :] * (delta * x[:, :, None])
-        hs = tl.zeros([TILE_T, BLOCK_D, BLOCK_N], dtype=tl.float32)                      # every h_t of the tile
+        hs = tl.full([TILE_T, BLOCK_D, BLOCK_N], 0.0, tl.float32)      # every h_t of the tile (tl.zeros is a jit call)
         j = 0
         j_end = tl.minimum(T - t0, TILE_T)      # rows past T are padding: never applied to h
         while j < j_end:

@@ -31,7 +31,15 @@ if INTERPRET:
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
-@triton.jit
+def _device_function(fn):
+    """@triton.jit for a helper; under the interpreter the plain function (see kernels/triton.py: the interpreter
+    re-patches triton.language on every call of a jit function, about 1 ms, which a per-token helper paid per token).
+    For the same reason the kernels sum with tl.reduce / tl.associative_scan and the standard sum combine (which the
+    interpreter runs as numpy) instead of tl.sum / tl.cumsum (jit functions): the same operations when compiled."""
+    return fn if INTERPRET else triton.jit(fn)
+
+
+@_device_function
 def _softplus(dt):
     return tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, SOFTPLUS_THRESHOLD))))
 
@@ -61,7 +69,7 @@ def _ssd_steps_kernel(
         bv = tl.load(B_ptr + s * B_s + t * B_t + g * B_g + offs_n * B_n, mask=mn, other=0.0).to(tl.float32)
         cv = tl.load(C_ptr + s * C_s + t * C_t + g * C_g + offs_n * C_n, mask=mn, other=0.0).to(tl.float32)
         st = tl.exp(d * a) * st + (d * xv)[:, None] * bv[None, :]
-        yv = tl.sum(st * cv[None, :], axis=1)
+        yv = tl.reduce(st * cv[None, :], 1, tl.standard._sum_combine)
         tl.store(y_ptr + s * y_s + t * y_t + h * y_h + offs_p * y_p, yv, mask=mp)
         if HAS_STATES_OUT:
             tl.store(so_ptr + s * so_s + t * so_t + h * so_h + offs_p[:, None] * so_p + offs_n[None, :] * so_n,
@@ -92,8 +100,8 @@ def _ssd_chunked_kernel(
         mq = (offs_q < Q) & (tt < T)
         d = _softplus(tl.load(dt_ptr + s * dt_s + tt * dt_t + h * dt_h, mask=mq, other=0.0).to(tl.float32))
         d = tl.where(mq, d, 0.0)                          # padded tokens add nothing and do not decay
-        lam = tl.cumsum(d * a, axis=0)                    # [Q]
-        lam_last = tl.sum(tl.where(offs_q == tl.minimum(Q, T - c0) - 1, lam, 0.0), axis=0)
+        lam = tl.associative_scan(d * a, 0, tl.standard._sum_combine)    # [Q], a cumsum
+        lam_last = tl.reduce(tl.where(offs_q == tl.minimum(Q, T - c0) - 1, lam, 0.0), 0, tl.standard._sum_combine)
         xs = tl.load(x_ptr + s * x_s + tt[:, None] * x_t + h * x_h + offs_p[None, :] * x_p,
                      mask=mq[:, None] & mp[None, :], other=0.0).to(tl.float32)        # [Q, P]
         bs = tl.load(B_ptr + s * B_s + tt[:, None] * B_t + g * B_g + offs_n[None, :] * B_n,
@@ -128,7 +136,7 @@ def _gated_norm_kernel(
     xv = tl.load(x_ptr + s * x_s + t * x_t + offs * x_d, mask=m, other=0.0).to(tl.float32)
     zv = tl.load(z_ptr + s * z_s + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
     v = xv * zv / (1.0 + tl.exp(-zv))
-    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / group + eps)
+    inv = 1.0 / tl.sqrt(tl.reduce(v * v, 0, tl.standard._sum_combine) / group + eps)
     wv = tl.load(w_ptr + offs * w_d, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + s * y_s + t * y_t + offs * y_d, v * inv * wv, mask=m)
 
