@@ -72,10 +72,11 @@ def goals() -> list:
                         r["date"]))
     lc = _load("llamacpp_cpu.json")
     if lc:
-        rows = lc["runs"].get("after", {}).get("rows", [])
+        run = lc["runs"].get("now") or lc["runs"].get("after", {})      # the latest measured run
+        rows = run.get("rows", [])
         if rows:
             out.append(("5 llama.cpp tracing, CPU (worst setting)", max(r["ratio"] for r in rows), 2, "x untraced",
-                        lc["runs"]["after"].get("date")))
+                        run.get("date")))
     lh = _load("llamacpp_h200.json")
     if lh:
         big = [r for r in lh["rows"] if r.get("mode") == "big" and r.get("traced_s") and r.get("untraced_s")
