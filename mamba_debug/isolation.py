@@ -10,6 +10,7 @@ and settled with one wait when the block ends: the same check and message, once 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -38,38 +39,39 @@ def changed_inputs(snapshot: list, args: tuple = (), kwargs: dict | None = None)
     return [name for name, t, copy in snapshot if t.shape != copy.shape or not torch.equal(_bits(t), _bits(copy))]
 
 
-_PENDING: list | None = None      # inside deferred(): (message, [(input name, device flag)]) per checked GPU call
+# inside deferred(), per thread: (message, [(input name, device flag)]) per checked GPU call
+_LOCAL = threading.local()
 DEFER_ON_CPU = False              # tests: the deferred path without a GPU
 
 
 def defer(snapshot: list, message) -> bool:
     """Queue the check of one call's inputs (inside `deferred()`, GPU inputs): True if queued. message(names) is the
     error for the inputs found changed."""
-    if _PENDING is None or not snapshot or not (snapshot[0][1].is_cuda or DEFER_ON_CPU):
+    pending = getattr(_LOCAL, "pending", None)
+    if pending is None or not snapshot or not (snapshot[0][1].is_cuda or DEFER_ON_CPU):
         return False
     flags = [(name, torch.tensor(True, device=t.device) if t.shape != copy.shape
               else torch.ne(_bits(t), _bits(copy)).any()) for name, t, copy in snapshot]
-    _PENDING.append((message, flags))
+    pending.append((message, flags))
     return True
 
 
 @contextlib.contextmanager
 def deferred():
-    """Checks queued by `defer` inside this block are settled at its end with one wait; nested blocks settle in the
-    outermost. An op that wrote into its inputs is reported even when the block ends in an error (the write is
-    then the likelier cause)."""
-    global _PENDING
-    if _PENDING is not None:
+    """Checks queued by `defer` inside this block (in this thread) are settled at its end with one wait; nested
+    blocks settle in the outermost. An op that wrote into its inputs is reported even when the block ends in an
+    error (the write is then the likelier cause)."""
+    if getattr(_LOCAL, "pending", None) is not None:
         yield
         return
-    _PENDING = pending = []
+    _LOCAL.pending = pending = []
     try:
         yield
     except BaseException as exc:
-        _PENDING = None
+        _LOCAL.pending = None
         _settle(pending, cause=exc)
         raise
-    _PENDING = None
+    _LOCAL.pending = None
     _settle(pending)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from mamba_debug.sweep import bisect_layer, run_sweep
 import mamba_debug as md
 from conftest import random_model
 
-DATA = md.__path__[0] + "/../data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 PROMPT = [(11 * i + 5) % 61 for i in range(20)]
 
@@ -332,7 +333,7 @@ def test_sites_measured_at_birth_give_the_accumulators_result(model, plugin, mon
     at the ubatch end only, a hybrid, several sequences and a last ubatch cut short."""
     from mamba_debug import compare, metrics
     from mamba_debug.sides import torch_side
-    m = model if which == "mamba1" else md.load_model(f"{DATA}/tiny-granite-hybrid")
+    m = model if which == "mamba1" else md.load_model(DATA / "tiny-granite-hybrid")
     no_states_out = STRIDED_SILU + "\nSUPPORTS_STATES_OUT = False\n"     # its SSM state at ubatch ends only
     kw = dict(offload=2, kernels=plugin(no_states_out) if which == "mamba1" else "torch", capture="metrics",
               n_seqs=2, ubatch=6, n_gen=3)

@@ -158,6 +158,21 @@ def test_a_write_into_the_inputs_found_at_the_end_of_the_forward_pass(tmp_path, 
     assert rc == 0, err
 
 
+def test_deferred_checks_belong_to_the_thread_that_opened_them(monkeypatch):
+    """Another thread's op is checked at once, never settled (or reported) by this thread's forward pass."""
+    import threading
+    from mamba_debug import isolation
+    monkeypatch.setattr(isolation, "DEFER_ON_CPU", True)
+    snap = isolation.snapshot_inputs((torch.zeros(3),), {})
+    queued = []
+    with isolation.deferred():
+        other = threading.Thread(target=lambda: queued.append(isolation.defer(snap, str)))
+        other.start()
+        other.join()
+        queued.append(isolation.defer(snap, str))
+    assert queued == [False, True]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU run checks this")
 def test_a_write_into_the_inputs_on_a_gpu_is_found_with_one_wait(tmp_path, folder, capsys):
     plug = _plugin(tmp_path, "def silu(x):\n    out = F.silu(x)\n    x[..., :1] = 7\n    return out\n"
