@@ -139,9 +139,6 @@ def main():
     ap.add_argument("--n-gen", type=int, default=N_GEN, help="big: generated tokens per cell")
     ap.add_argument("--profile", action="store_true",
                     help="print a cProfile of each cell (top 25 by own time): where the traced seconds go")
-    ap.add_argument("--no-local", action="store_true",
-                    help="big: no local errors (--local reads every node, node by node): the tracing cost of the sites "
-                         "alone, issue #18's goal 5")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new cell after this many seconds (the rows so far are written)")
     ap.add_argument("--out", default="out/llamacpp_h200")
@@ -169,7 +166,7 @@ def main():
                  [(v, ub, S, "") for v in a.offloads.split(",") for ub in a.ubatches.split(",")
                   for S in a.seqs.split(",")])
         grid = [dict(device="cuda", offload=ngls[v] if v in ngls else int(v), ubatch=int(ub), n_seqs=int(S),
-                     local=not a.no_local, ref_device="cuda", n_gen=a.n_gen, prompt_tokens=int(P or len(ids)))
+                     local=True, ref_device="cuda", n_gen=a.n_gen, prompt_tokens=int(P or len(ids)))
                 for v, ub, S, P in cells]
     for kw in grid:
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:

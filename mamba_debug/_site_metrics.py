@@ -302,30 +302,13 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     dev is moved to ref's device in its own dtype (the float64 conversion happens in the kernel). dev and ref must
     have the same S, T and number of elements per (s, t) (the torch version would broadcast a single element).
     config: BLOCK_X, ROWS, SPLIT, num_warps instead of `plan`'s (tests and benchmarks)."""
-    want = "cpu" if INTERPRET else "cuda"
-    if ref.device.type != want:
-        mode = "Triton's interpreter (CPU tensors)" if INTERPRET else "CUDA (compiled)"
-        raise ValueError(f"site_errors_fused: this copy of the metrics kernel was built for {mode}, but ref is on "
-                         f"{ref.device}; use mamba_debug.metrics.fused_site_errors, which picks the copy")
-    if dev.dim() < 2 or ref.dim() < 2 or dev.shape[:2] != ref.shape[:2] or dev.numel() != ref.numel():
-        raise ValueError(f"site_errors: dev {list(dev.shape)} and ref {list(ref.shape)} must be [S, T, ...] with "
-                         f"the same S, T and elements per (s, t)")
-    a = dev.detach()
-    if a.device != ref.device:
-        a = a.to(ref.device)
-    b = ref.detach()
-    if a.dtype not in SUPPORTED:      # integers, bool: the torch version's float64 conversion (a copy)
-        a = a.to(torch.float64)
-    if b.dtype not in SUPPORTED:
-        b = b.to(torch.float64)
+    a, b = _prepared(dev, ref)
     S, T = b.shape[0], b.shape[1]
     out = torch.empty((4, S, T), dtype=torch.float64, device=b.device)
     R = S * T
     if R == 0:
         return dict(zip(METRICS, out.unbind(0)))
     X = b.numel() // R
-    if X == 0:
-        raise ValueError(f"site_errors: no elements per (s, t) (ref {list(ref.shape)}): max_abs is undefined")
     a, a_X2, a_sx1, a_sx2, a_two = _row_layout(a)
     b, b_X2, b_sx1, b_sx2, b_two = _row_layout(b)
     if config is None:
@@ -381,7 +364,14 @@ def site_errors_sites(pairs: list) -> list[dict]:
 
 
 def _prepared(dev: torch.Tensor, ref: torch.Tensor):
-    """site_errors_fused's checks and conversions of one pair (dev on ref's device, unsupported dtypes widened)."""
+    """One pair checked and made ready for the kernels: ref on this copy's device kind, the shapes [S, T, ...] alike,
+    dev on ref's device, dtypes the kernels do not read widened (integers, bool: the torch version's float64
+    conversion, a copy), at least one element per (s, t) unless there are no rows."""
+    want = "cpu" if INTERPRET else "cuda"
+    if ref.device.type != want:
+        mode = "Triton's interpreter (CPU tensors)" if INTERPRET else "CUDA (compiled)"
+        raise ValueError(f"site_errors_fused: this copy of the metrics kernel was built for {mode}, but ref is on "
+                         f"{ref.device}; use mamba_debug.metrics.fused_site_errors, which picks the copy")
     if dev.dim() < 2 or ref.dim() < 2 or dev.shape[:2] != ref.shape[:2] or dev.numel() != ref.numel():
         raise ValueError(f"site_errors: dev {list(dev.shape)} and ref {list(ref.shape)} must be [S, T, ...] with "
                          f"the same S, T and elements per (s, t)")

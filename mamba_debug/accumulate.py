@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .metrics import METRICS, Measured, logit_stats, perplexity, site_errors, site_errors_many
+from .metrics import METRICS, Measured, birth_pair, logit_stats, perplexity, site_errors, site_errors_many
 from .settings import RunSettings
 from .trace import CompareResult
 
@@ -40,22 +40,19 @@ class Accumulator:
         rows, pairs = [], []            # every site's metrics of this ubatch are measured together (metrics.py)
         for key, (ref, per_token) in vref.items():
             observed = key in vdev
-            dev = vdev[key][0] if observed else None
-            a, b, a32, a64 = (None if v is None or isinstance(v, Measured) else v if per_token else v[:, None]
-                              for v in (dev, ref, v32[key][0], v64[key][0]))
-            at_end = observed and per_token and not vdev[key][1]   # the device has this state at the ubatch end only
+            dev, dev_per_token = vdev[key] if observed else (None, None)
+            b, a32, a64 = (v if per_token else v[:, None] for v in (ref, v32[key][0], v64[key][0]))
+            at_end = False              # the device has this state at the ubatch end only (measured at the last token)
             if not observed:
                 e = _not_observed(b)
             elif isinstance(dev, Measured):             # measured where it was born (capture='metrics')
                 e, at_end = dev.errors, dev.at_end
-            elif a is b or dev is ref:
+            elif dev is ref:
                 e = _identical(b)                       # shared host blocks: exactly 0
-            elif at_end:
+            else:                                       # the pair a side measuring at birth forms too
+                pair, at_end = birth_pair(dev, dev_per_token, ref, per_token) or ((dev[:, None], b), False)
                 e = len(pairs)
-                pairs.append((dev[:, None], b[:, -1:]))
-            else:
-                e = len(pairs)
-                pairs.append((a, b))
+                pairs.append(pair)
             f = None
             if key not in floors:
                 f = len(pairs)

@@ -66,7 +66,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     shared = lambda a, b: SharedReference(_cache_for(ref_cache, model, tokens[a:b], s))  # noqa: E731
     sides = build_sides(model, s, placement, ref_device, shared(*groups[0]))
     try:
-        res = _run_sides(model, s, sides, tokens, placement, shared, progress)
+        res = _run_sides(model, s, sides, tokens, placement, groups, shared, progress)
     finally:
         close = getattr(sides["device"], "close", None)     # an engine's context and model (llama.cpp), even on error
         if close is not None:
@@ -75,7 +75,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     return res
 
 
-def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, placement, shared,
+def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, placement, groups: list, shared,
                progress) -> CompareResult:
     """The comparison itself: every group of sequences through every side in lock step, then the verdict."""
     cfg, dev = model.config, sides["device"]
@@ -86,7 +86,6 @@ def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, 
                         sides={k: v.info for k, v in sides.items() if k in ("ref32", "ref64", "device")},
                         layer_sites=layer_sites, tokens=tokens, n_prompt=tokens.shape[1], token_info=[])
     res.observed = {k: sides[k].observed_sites() for k in res.sides}
-    groups = s.seq_groups(tokens.shape[0])
     with cpu_threads_for(cfg):
         parts = []
         for i, (a, b) in enumerate(groups):     # one group unless -ub + 1 < n_seqs (llama.cpp's split, see settings)

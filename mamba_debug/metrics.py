@@ -98,10 +98,10 @@ class Measured:
 
 
 def birth_pair(dev: torch.Tensor, dev_per_token: bool, ref: torch.Tensor, ref_per_token: bool):
-    """The (dev, ref) pair the Accumulator would form for a device site and the reference's (value, per_token) of
-    the same ubatch, and whether it is the device's state at the ubatch end (measured against the reference's last
-    token); None for a pairing it does not measure (a per-token device value against a reference taken at the
-    ubatch end: the Accumulator handles that from the value)."""
+    """The (dev, ref) pair measured for a device site and the reference's (value, per_token) of the same ubatch (by
+    the Accumulator, and by a side measuring at birth), and whether it is the device's state at the ubatch end
+    (measured against the reference's last token); None for a per-token device value against a reference taken at
+    the ubatch end (no side reports one; at birth it is handed over as a value)."""
     if ref_per_token and dev_per_token:
         return (dev, ref), False
     if ref_per_token:
