@@ -8,7 +8,8 @@ Per case, all with a warm L2 (the graphed and the direct figure see the same cac
   notebook or a test costs, host work (checks, plan, allocations, Triton's launcher) included;
 * pipelined: 50 calls back to back and one synchronize, per call: the host work hidden behind the GPU's, as in a
   model's forward pass.
-Both the kernels' own launchers (`kernels/triton.py`) and the engine's validating wrapper (`--kernels triton`:
+The kernels' own launchers (`kernels/triton.py`, with the kept launchers of mamba_debug.triton_launch and again
+through Triton's own `kernel[grid](...)` for comparison) and the engine's validating wrapper (`--kernels triton`:
 contract checks on every call) are timed, each against the kernels' graphed time (the wrapper's input check waits
 for the GPU, which a CUDA graph capture refuses).
 """
@@ -46,15 +47,32 @@ def inputs(S, L, D, g):
                 w=torch.randn(D, 4, device="cuda", generator=g))
 
 
-def direct_us(fn, reps=50) -> float:
-    times = []
+def timed(fn) -> tuple[float, float]:
+    """One call on an idle GPU: (call + wait, call alone = host time until it returns), seconds."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, t1 - t0
+
+
+def direct_us(fn, reps=100) -> tuple[float, float]:
+    """Medians of `timed` in us: (call + wait, host)."""
+    times = [timed(fn) for _ in range(reps)]
+    return tuple(statistics.median(t[i] for t in times) * 1e6 for i in (0, 1))
+
+
+def paired_us(fn, module, reps=100) -> tuple:
+    """direct_us of the kept launchers and of Triton's own launch, alternating call by call (the machine's host
+    speed drifts within a run)."""
+    times: dict = {False: [], True: []}
     for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+        for own in (False, True):
+            tritons_own_launch(module, own)
+            times[own].append(timed(fn))
+    tritons_own_launch(module, False)
+    return tuple(tuple(statistics.median(t[i] for t in times[own]) * 1e6 for i in (0, 1)) for own in (False, True))
 
 
 def pipelined_us(fn, reps=50) -> float:
@@ -66,39 +84,63 @@ def pipelined_us(fn, reps=50) -> float:
     return (time.perf_counter() - t) / reps * 1e6
 
 
+def tritons_own_launch(module, own: bool):
+    """Every launch of the kernels through Triton's own `kernel[grid](...)` (own) or the kept launchers
+    (mamba_debug.triton_launch, the default), to time the two in one run."""
+    for launch in (module._launch_conv, module._launch_scan, module._launch_tiled):
+        launch.interpret = own
+
+
+def row_of(op, mode, impl, L, S, graphed, direct_host, piped) -> dict:
+    row = {"op": op, "mode": mode, "impl": impl, "d_inner": 5120, "L": L, "batch": S, "graphed_us": round(graphed, 2),
+           "direct_us": round(direct_host[0], 2), "host_us": round(direct_host[1], 2), "pipelined_us": round(piped, 2),
+           "date": datetime.date.today().isoformat()}
+    row["direct_x_graphed"] = round(row["direct_us"] / graphed, 2)
+    row["pipelined_x_graphed"] = round(row["pipelined_us"] / graphed, 2)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main():
     g = torch.Generator(device="cuda").manual_seed(0)
-    kernels = load_plugin("triton", device="cuda").module.OPS
+    module = load_plugin("triton", device="cuda").module
+    kernels = module.OPS
     engine = device_backend("triton", "cuda").ops
     rows = []
+    z = torch.zeros(1, device="cuda")
+    rows.append(row_of("torch add_", "any", "torch: z.add_(1), the floor of any direct call", 1, 1,
+                       do_bench_cudagraph(lambda: z.add_(1)) * 1e3, direct_us(lambda: z.add_(1)),
+                       pipelined_us(lambda: z.add_(1))))
     for mode, L, S in (("prefill", 2048, 1), ("prefill", 2048, 8), ("decode", 1, 1), ("decode", 1, 64)):
         v = inputs(S, L, 5120, g)
-        graphed_of = {}
-        for name, ops in (("kernels/triton.py", kernels), ("engine wrapper (--kernels triton)", engine)):
-            scan, conv = (ops["ssm_scan"], ops["ssm_conv"]) if isinstance(ops, dict) else (ops.ssm_scan, ops.ssm_conv)
-            for op, fn in (("ssm_scan", lambda: scan(v["h0"], v["x"], v["dt"], v["A"], v["B"], v["C"])),
-                           ("ssm_conv", lambda: conv(v["st"], v["x"], v["w"]))):
+        for op, name in (("ssm_scan", "ssm_scan"), ("ssm_conv", "ssm_conv")):
+            fns = {impl: (lambda ops=ops: (ops[name] if isinstance(ops, dict) else getattr(ops, name))(
+                *((v["h0"], v["x"], v["dt"], v["A"], v["B"], v["C"]) if op == "ssm_scan" else (v["st"], v["x"], v["w"]))))
+                for impl, ops in (("kernels", kernels), ("engine", engine))}
+            for fn in fns.values():
                 for _ in range(3):
                     fn()                       # compiled and warm
-                if name.startswith("kernels"):
-                    graphed_of[op] = do_bench_cudagraph(fn) * 1e3
-                graphed = graphed_of[op]
-                # else: the wrapper's input check waits for the GPU, which a graph capture refuses: its figures are
-                # against the kernels' own graphed time, the time the GPU work takes
-                row = {"op": op, "mode": mode, "impl": f"triton, direct Python call: {name}", "d_inner": 5120,
-                       "L": L, "batch": S, "graphed_us": round(graphed, 2), "direct_us": round(direct_us(fn), 2),
-                       "pipelined_us": round(pipelined_us(fn), 2), "date": datetime.date.today().isoformat()}
-                row["direct_x_graphed"] = round(row["direct_us"] / graphed, 2)
-                row["pipelined_x_graphed"] = round(row["pipelined_us"] / graphed, 2)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            graphed = do_bench_cudagraph(fns["kernels"]) * 1e3
+            kept, own = paired_us(fns["kernels"], module)
+            piped = pipelined_us(fns["kernels"])
+            tritons_own_launch(module, True)
+            piped_own = pipelined_us(fns["kernels"])
+            tritons_own_launch(module, False)
+            # the wrapper's input check waits for the GPU, which a graph capture refuses: its figures are against
+            # the kernels' own graphed time, the time the GPU work takes
+            for impl, d, p in (("kernels/triton.py", kept, piped), ("kernels/triton.py, Triton's own launch", own,
+                                                                    piped_own),
+                               ("engine wrapper (--kernels triton)", direct_us(fns["engine"]),
+                                pipelined_us(fns["engine"]))):
+                rows.append(row_of(op, mode, f"triton, direct Python call: {impl}", L, S, graphed, d, p))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "direct_calls.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
                                                       indent=1))
-    print(f"\n{'op':9} {'mode':8} {'b':>3} {'graphed':>8} {'direct':>8} {'piped':>8}  x(direct)  what")
+    print(f"\n{'op':10} {'mode':8} {'b':>3} {'graphed':>8} {'direct':>8} {'host':>7} {'piped':>8}  x(direct)  what")
     for r in rows:
-        print(f"{r['op']:9} {r['mode']:8} {r['batch']:>3} {r['graphed_us']:8.1f} {r['direct_us']:8.1f} "
-              f"{r['pipelined_us']:8.1f}  {r['direct_x_graphed']:9.2f}  {r['impl'][28:]}")
+        print(f"{r['op']:10} {r['mode']:8} {r['batch']:>3} {r['graphed_us']:8.1f} {r['direct_us']:8.1f} "
+              f"{r['host_us']:7.1f} {r['pipelined_us']:8.1f}  {r['direct_x_graphed']:9.2f}  "
+              f"{r['impl'].replace('triton, direct Python call: ', '')}")
 
 
 if __name__ == "__main__":

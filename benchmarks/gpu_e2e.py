@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import datetime
 import gc
@@ -26,6 +27,7 @@ import json
 import math
 import os
 import platform
+import pstats
 import statistics
 import sys
 import threading
@@ -302,6 +304,19 @@ def tracing_levels(dev) -> list[dict]:
     ]
 
 
+PROFILE = None        # --profile TEXT: a cProfile of one run of the tracing level whose description contains TEXT
+
+
+def profile(run):
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    run()
+    sync()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(28)
+
+
 def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
     reps, warm = (1, 1) if small else (3, 1)
     rows = []
@@ -354,6 +369,8 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
                      check_capture(runner, tokens, ubatch, tap.inner) if lv["check"] else "",
                      pinned_note() if lv["to_host"] else ""]
             r["note"] = "; ".join(n for n in notes if n)
+            if PROFILE and PROFILE in lv["what"]:
+                profile(run)
         except Exception as exc:           # noqa: BLE001 - record it and go on to the next level
             rows.append(error_row("tracing", lv["what"], exc))
         if keep is not None:
@@ -560,9 +577,13 @@ def main(argv=None):
                     help="ubatch(es) of the comparison, comma-separated (default: the largest within 48 GB)")
     ap.add_argument("--breakdown", action="store_true",
                     help="after the timed comparisons, one more at the first ubatch with each side synced and timed")
+    ap.add_argument("--profile", default=None, help="print a cProfile of the tracing level whose description "
+                                                    "contains this text (e.g. 'at birth')")
     ap.add_argument("--parts", default="tracing,e2e,cpu_ref", help="comma-separated subset of tracing,e2e,cpu_ref")
     ap.add_argument("--time-budget-s", type=float, default=240, help="skip the CPU-reference estimate past this")
     args = ap.parse_args(argv)
+    global PROFILE
+    PROFILE = args.profile
     if not CUDA and not args.small:
         sys.exit("gpu_e2e.py: torch sees no GPU; the 2.8B run needs one (use --small to check the script on a CPU)")
     cfg = MambaConfig(**(SMALL if args.small else BIG))

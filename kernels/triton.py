@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mamba_debug.triton_launch import Launch
+
 NAME = "triton"
 DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
 SUPPORTS_STATES_OUT = True
@@ -405,6 +407,15 @@ def _ssm_scan_tiled_kernel(
 # only: compiled, the scan's sum over N may be split across threads differently for other blocks or strides; and
 # a scan cut into time chunks carries the state chunk to chunk (P h + E) instead of token to token.
 
+# triton.cdiv and triton.next_power_of_2 are jit / constexpr functions: ~0.8 us per call from the host
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()      # n >= 1
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -416,13 +427,13 @@ def _conv_config(S: int, T: int, D: int, device=None) -> dict:
     Interpreter: each program instance costs a large fixed Python overhead (a 64-token scan at D=512 took
     2.2 s with 64-channel blocks, 0.3 s with one 512-channel block), so use as few programs as possible."""
     if INTERPRET:
-        block_d = min(triton.next_power_of_2(D), 1024)
-        block_t = min(triton.next_power_of_2(T), max(1, 2 ** 16 // block_d))   # tiles up to 64K elements
+        block_d = min(_pow2(D), 1024)
+        block_t = min(_pow2(T), max(1, 2 ** 16 // block_d))   # tiles up to 64K elements
         return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=1)
     # Long prompts: 64 channels x 32 tokens x the K taps, 4 warps, the best of 108 plans on an H200 (26.0 us at
     # d_inner 5120, L 2048, batch 1; benchmarks/results/h200_tuning_run1.json, now in git history). Short ubatches
     # and decode keep 128-channel rows (1.6 us per decode step at batch 1).
-    block_d, block_t = (64, 32) if T >= 32 else (128, triton.next_power_of_2(T))
+    block_d, block_t = (64, 32) if T >= 32 else (128, _pow2(T))
     return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=max(1, min(4, block_d * block_t * 4 // 512)))
 
 
@@ -437,16 +448,16 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
     Interpreter: the tiled schedule, one program for up to 1024 channels, up to 16 tokens prepared at once.
     GPU: the step schedule with small channel blocks; when S * D / BLOCK_D programs cannot fill the SMs a few
     times over (a long prompt at batch 1), the prompt is also cut into chunks that run in parallel."""
-    block_n = triton.next_power_of_2(N)
+    block_n = _pow2(N)
     if INTERPRET:
         # one token (decode, ubatch 1): the step schedule has fewer operations than preparing a tile
-        return dict(schedule="tiled" if T > 1 else "steps", BLOCK_D=min(triton.next_power_of_2(D), 1024),
-                    n_chunks=1, TILE_T=min(triton.next_power_of_2(T), 16), PREFETCH=0, num_warps=1)
+        return dict(schedule="tiled" if T > 1 else "steps", BLOCK_D=min(_pow2(D), 1024),
+                    n_chunks=1, TILE_T=min(_pow2(T), 16), PREFETCH=0, num_warps=1)
     sms = _sm_count(device.index if device is not None and device.index is not None else 0)
     if T < 2 * MIN_CHUNK_T:
         # decode and short ubatches: one pass; the largest channel block that still gives about two programs per
         # SM (1.8 us per decode step at batch 1, 11.5 us at batch 64)
-        block_d = next((b for b in (64, 32) if S * triton.cdiv(D, b) >= 2 * sms), 16)
+        block_d = next((b for b in (64, 32) if S * _cdiv(D, b) >= 2 * sms), 16)
         return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, PREFETCH=1,
                     num_warps=max(1, min(8, block_d * block_n // 512)))
     # Long prompts (benchmarks/results/h200_tuning_run{2,3,4}.json, now in git history: 60-80 plans per shape on an
@@ -454,7 +465,7 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
     # (1103 us at d_inner 5120, L 2048, batch 8); a few also cut time into chunks, at most 10 programs (20 warps)
     # per SM in all, so that they run in one wave: at d_inner 5120, L 2048, batch 1, 16 chunks took 187 us and 17
     # (one program too many per SM for some) 227 us; about 970 us in one pass. 85 us at d_inner 1536 (32 chunks).
-    programs = S * triton.cdiv(D, 64)
+    programs = S * _cdiv(D, 64)
     n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 10 * sms // programs))
     return dict(schedule="steps", BLOCK_D=64, n_chunks=n_chunks, PREFETCH=2, num_warps=2)
 
@@ -462,6 +473,9 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
 # %%
 # Launchers
 # ---------
+# Triton's own per-call host work (binding ~50 arguments, its specialization key) done once per argument key.
+_launch_conv, _launch_scan, _launch_tiled = (Launch(k, INTERPRET) for k in (
+    _ssm_conv_kernel, _ssm_scan_kernel, _ssm_scan_tiled_kernel))
 
 def _empty(shape, like: torch.Tensor) -> torch.Tensor:
     """Every output is allocated here (a test fills them with NaN to prove each element gets written)."""
@@ -502,14 +516,11 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *,
         new_state.copy_(conv_state)
         return out, new_state
     cfg = dict(config) if config is not None else _conv_config(S, T, D, device=x.device)
-    grid = (S, triton.cdiv(D, cfg["BLOCK_D"]), triton.cdiv(T, cfg["BLOCK_T"]))
-    _ssm_conv_kernel[grid](
-        conv_state, x, weight, out, new_state,
-        T, D,
-        *conv_state.stride(), *x.stride(), *weight.stride(), *out.stride(), *new_state.stride(),
-        K=K, BLOCK_KM1=triton.next_power_of_2(K - 1), BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
-    )
+    grid = (S, _cdiv(D, cfg["BLOCK_D"]), _cdiv(T, cfg["BLOCK_T"]))
+    _launch_conv(grid, (conv_state, x, weight, out, new_state),
+                 (T, D, *conv_state.stride(), *x.stride(), *weight.stride(), *out.stride(), *new_state.stride()),
+                 dict(K=K, BLOCK_KM1=_pow2(K - 1), BLOCK_K=_pow2(K),
+                      BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"]))
     return out, new_state
 
 
@@ -542,24 +553,25 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     # Without states_out (or chunks) the kernel still needs pointer arguments; they are never dereferenced.
     so, so_strides = (states_out, states_out.stride()) if has_states_out else (new_state, (0, 0, 0, 0))
     n_chunks = plan["n_chunks"] if plan["schedule"] == "steps" else 1
-    chunk_t = triton.cdiv(T, n_chunks)
-    n_chunks = triton.cdiv(T, chunk_t)          # no empty chunk at the end
+    chunk_t = _cdiv(T, n_chunks)
+    n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
     summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=x.device) if n_chunks > 1
                  else new_state.new_empty((2, 1)))
-    args = (ssm_state, x, dt, A, B, C, y, new_state, so, summaries[0], summaries[1],
-            T, D, N, chunk_t, n_chunks,
-            *ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
-            *y.stride(), *new_state.stride(), *so_strides)
-    meta = dict(HAS_STATES_OUT=has_states_out, BLOCK_D=plan["BLOCK_D"], BLOCK_N=triton.next_power_of_2(N),
+    tensors = (ssm_state, x, dt, A, B, C, y, new_state, so, summaries[0], summaries[1])
+    scalars = (T, D, N, chunk_t, n_chunks,
+               *ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
+               *y.stride(), *new_state.stride(), *so_strides)
+    meta = dict(HAS_STATES_OUT=has_states_out, BLOCK_D=plan["BLOCK_D"], BLOCK_N=_pow2(N),
                 num_warps=plan["num_warps"])
-    n_blocks = triton.cdiv(D, plan["BLOCK_D"])
+    n_blocks = _cdiv(D, plan["BLOCK_D"])
     if plan["schedule"] == "tiled":
-        _ssm_scan_tiled_kernel[(S, n_blocks)](*args, TILE_T=plan["TILE_T"], **meta)
+        _launch_tiled((S, n_blocks), tensors, scalars, dict(meta, TILE_T=plan["TILE_T"]))
         return y, new_state
-    meta.update(PREFETCH=int(plan.get("PREFETCH", 1)), CHUNKED=n_chunks > 1)
+    meta.update(PREFETCH=int(plan.get("PREFETCH", 1)), CHUNKED=n_chunks > 1, SUMMARY=True)
     if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0
-        _ssm_scan_kernel[(S, n_blocks, n_chunks - 1)](*args, SUMMARY=True, **meta)
-    _ssm_scan_kernel[(S, n_blocks, n_chunks)](*args, SUMMARY=False, **meta)
+        _launch_scan((S, n_blocks, n_chunks - 1), tensors, scalars, meta)
+    meta["SUMMARY"] = False
+    _launch_scan((S, n_blocks, n_chunks), tensors, scalars, meta)
     return y, new_state
 
 

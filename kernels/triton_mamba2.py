@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mamba_debug.triton_launch import Launch
+
 NAME = "triton_mamba2"
 DESCRIPTION = "Triton ssd_scan (chunked SSD prefill, recurrent decode) and grouped gated RMSNorm for Mamba-2"
 SUPPORTS_STATES_OUT = True
@@ -154,6 +156,11 @@ def _check_device(op, **tensors):
                              f" and takes {want} tensors, but {k} is on {v.device}")
 
 
+# Triton's per-call host work (argument binding, its specialization key) done once per argument key
+_launch_steps, _launch_chunked, _launch_norm = (Launch(k, INTERPRET) for k in (
+    _ssd_steps_kernel, _ssd_chunked_kernel, _gated_norm_kernel))
+
+
 def scan_plan(S, T, H, P, N, states_out: bool) -> dict:
     """steps for decode and per-token states; chunked SSD otherwise. Q: 16 interpreted (fewest operations on
     small tiles), 64 compiled."""
@@ -189,14 +196,14 @@ def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = 
     if plan["schedule"] == "steps" or states_out is not None:
         so = states_out if states_out is not None else new_state
         so_strides = states_out.stride() if states_out is not None else (0,) * 5
-        _ssd_steps_kernel[(S, H)](ssm_state, x, dt, A, B, C, y, new_state, so, *common, *strides, *so_strides,
-                                  HAS_STATES_OUT=states_out is not None, BLOCK_P=block_p, BLOCK_N=block_n)
+        _launch_steps((S, H), (ssm_state, x, dt, A, B, C, y, new_state, so), (*common, *strides, *so_strides),
+                      dict(HAS_STATES_OUT=states_out is not None, BLOCK_P=block_p, BLOCK_N=block_n))
         return y, new_state
     Q = int(plan["chunk_size"])
     lo = 1 if INTERPRET else 16                    # tl.dot needs 16-wide tiles when compiled
-    _ssd_chunked_kernel[(S, H)](ssm_state, x, dt, A, B, C, y, new_state, *common, Q, *strides,
-                                BLOCK_Q=max(lo, triton.next_power_of_2(Q)), BLOCK_P=max(lo, block_p),
-                                BLOCK_N=max(lo, block_n))
+    _launch_chunked((S, H), (ssm_state, x, dt, A, B, C, y, new_state), (*common, Q, *strides),
+                    dict(BLOCK_Q=max(lo, triton.next_power_of_2(Q)), BLOCK_P=max(lo, block_p),
+                         BLOCK_N=max(lo, block_n)))
     return y, new_state
 
 
@@ -210,8 +217,9 @@ def rms_norm_gated(x, z, weight, eps, n_groups):
     y = torch.empty((S, T, Dn), dtype=x.dtype, device=x.device)
     group = Dn // n_groups
     if S * T:
-        _gated_norm_kernel[(S * T, n_groups)](x, z, weight, y, T, group, float(eps), *x.stride(), *z.stride(),
-                                              *weight.stride(), *y.stride(), BLOCK=triton.next_power_of_2(group))
+        _launch_norm((S * T, n_groups), (x, z, weight, y),
+                     (T, group, float(eps), *x.stride(), *z.stride(), *weight.stride(), *y.stride()),
+                     dict(BLOCK=triton.next_power_of_2(group)))
     return y
 
 

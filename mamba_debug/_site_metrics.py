@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mamba_debug.triton_launch import Launch
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 if INTERPRET:
@@ -238,6 +240,11 @@ def _sites_kernel(
 # Host side
 # ---------
 
+# Triton's per-call host work (argument binding, its specialization key) done once per argument key
+_launch_rows, _launch_combine, _launch_table = (Launch(k, INTERPRET) for k in (
+    _row_stats_kernel, _combine_kernel, _sites_kernel))
+
+
 def _row_layout(t: torch.Tensor):
     """How the trailing dims of t [S, T, ...] flatten into X per row, without a copy when possible.
 
@@ -321,16 +328,15 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     guard = (torch.cuda.device(b.device) if not INTERPRET and b.device.index is not None
              and b.device.index != torch.cuda.current_device() else contextlib.nullcontext())
     with guard, _quiet():
-        _row_stats_kernel[(triton.cdiv(R, rows), split)](
-            a, b, out, part, R, T, X, chunk, split,
-            a.stride(0), a.stride(1), a_X2, a_sx1, a_sx2,
-            b.stride(0), b.stride(1), b_X2, b_sx1, b_sx2,
-            A_TWO=a_two, B_TWO=b_two, FINAL=split == 1, ROWS=rows, BLOCK_X=block_x,
-            num_warps=config.get("num_warps", 4))
+        _launch_rows((triton.cdiv(R, rows), split), (a, b, out, part),
+                     (R, T, X, chunk, split, a.stride(0), a.stride(1), a_X2, a_sx1, a_sx2,
+                      b.stride(0), b.stride(1), b_X2, b_sx1, b_sx2),
+                     dict(A_TWO=a_two, B_TWO=b_two, FINAL=split == 1, ROWS=rows, BLOCK_X=block_x,
+                          num_warps=config.get("num_warps", 4)))
         if split > 1:
             block_r = min(triton.next_power_of_2(R), 1024 if INTERPRET else 128)
-            _combine_kernel[(triton.cdiv(R, block_r),)](part, out, R, split, BLOCK_R=block_r,
-                                                        num_warps=1 if INTERPRET else 4)
+            _launch_combine((triton.cdiv(R, block_r),), (part, out), (R, split),
+                            dict(BLOCK_R=block_r, num_warps=1 if INTERPRET else 4))
     return dict(zip(METRICS, out.unbind(0)))
 
 
@@ -403,8 +409,8 @@ def _launch_sites(items: list, device, block_x: int, rows: int, warps: int, a_tw
     t = t.to(device) if INTERPRET else t.pin_memory().to(device, non_blocking=True)
     res = torch.empty(off, dtype=torch.float64, device=device)
     with _quiet():
-        _sites_kernel[(first,)](a0, b0, t, res, len(items), A_TWO=a_two, B_TWO=b_two, ROWS=rows, BLOCK_X=block_x,
-                                num_warps=warps)
+        _launch_table((first,), (a0, b0, t, res), (len(items),),
+                      dict(A_TWO=a_two, B_TWO=b_two, ROWS=rows, BLOCK_X=block_x, num_warps=warps))
     for (i, _, _, S, T, *_), row in zip(items, table):
         out[i] = dict(zip(METRICS, res[row[15]:row[15] + 4 * S * T].view(4, S, T).unbind(0)))
 

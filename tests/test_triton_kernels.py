@@ -249,6 +249,33 @@ def test_contiguous_and_strided_inputs_agree(kern):
         assert_same(a, b)
 
 
+def test_kept_launch_same_bits(plugin, kern):
+    """The second call with one argument key takes the kept launcher (mamba_debug.triton_launch) and gives the
+    bits of Triton's own path; an input 4 bytes past a 16-byte boundary is a new key, and right."""
+    mod = plugin.module
+    inp, _ = make_inputs(1, 300, 100, 16, 4, seed=3)     # 300 tokens: a chunked scan (two kernels) on a GPU
+    for launch in (mod._launch_scan, mod._launch_conv, mod._launch_tiled):
+        launch.kept.clear()
+
+    def both(x):
+        return (*kern["ssm_scan"](inp["ssm_state"], x, *scan_args(inp)[2:]),
+                *kern["ssm_conv"](inp["conv_state"], x, inp["weight"]))
+
+    first, again = both(inp["x"]), both(inp["x"])
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    if DEVICE == "cuda":
+        assert len(mod._launch_scan.kept) == 2 and len(mod._launch_conv.kept) == 1, (
+            mod._launch_scan.kept.keys(), mod._launch_conv.kept.keys())
+    x = inp["x"]
+    shifted = torch.empty(x.numel() + 1, device=x.device)[1:].view(x.shape).copy_(x)
+    assert shifted.data_ptr() % 16 == 4
+    for a, b in zip(first, both(shifted)):
+        assert_same(a, b)
+    if DEVICE == "cuda":
+        assert len(mod._launch_scan.kept) == 4
+
+
 # %% state hand-off, sequences, inputs
 
 def test_ubatches_with_carried_state_equal_one_call(kern):

@@ -1,0 +1,70 @@
+"""Launch a compiled Triton kernel with Triton's per-call host work done once per argument key.
+
+`kernel[grid](*args, **meta)` binds every argument, computes Triton's specialization key (dtype and 16-byte
+alignment of each pointer, value class of each integer), looks the compiled kernel up, then calls its launcher. On
+the H200 machine that is 80-150 us of host time for a kernel with ~50 arguments (benchmarks/README.md, eighth
+session): a decode step that runs for 2 us on the GPU took 150 us called from Python.
+
+`Launch(kernel, interpret)(grid, tensors, scalars, meta)` does the same launch. Its first call with a given key goes through Triton's own
+path (compiling if needed) and keeps the compiled kernel; later calls with that key call the compiled kernel's
+launcher directly, as Triton itself does after its lookup. The key is finer than Triton's, so a kept kernel is
+always the one Triton would pick:
+* every integer argument by value (Triton keys on value classes: 1, multiple of 16, 32 or 64 bits),
+* every tensor argument by dtype and by whether its address is a multiple of 16,
+* every meta (constexpr and option) value in call order, and the current device.
+Under the interpreter, and while a launch hook is set (a profiler such as proton wants every launch's metadata),
+every call takes Triton's own path. Otherwise the launcher gets no launch metadata and no hooks (Triton builds the
+metadata and calls its empty hook chain on every launch).
+"""
+from __future__ import annotations
+
+
+MAX_KEYS = 4096             # a shape per ubatch size and stride pattern; a process that sees more starts over
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton 3.4+ keeps an empty HookChain (never None) when none is."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launch:
+    """One jit kernel's launches (see the module docstring): `launch(grid, tensors, scalars, meta)` is
+    `kernel[grid](*tensors, *scalars, **meta)`. The kernel's leading parameters are its tensors, then its scalars;
+    `meta` names the rest (constexprs, num_warps), in the same order at every call site."""
+
+    def __init__(self, kernel, interpret: bool):
+        self.kernel, self.interpret = kernel, interpret
+        self.kept: dict = {}
+        if not interpret:
+            from triton import knobs
+            from triton.runtime.driver import driver
+            self.runtime, self.drivers = knobs.runtime, driver    # the active driver is found at the first launch
+
+    def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, meta: dict):
+        if self.interpret or _hooked(self.runtime.launch_enter_hook):
+            self.kernel[grid](*tensors, *scalars, **meta)
+            return
+        active = self.drivers.active
+        device = active.get_current_device()
+        key = (device, tuple(meta.values()), scalars, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
+        kept = self.kept.get(key)
+        if kept is None:
+            self._first(key, grid, tensors, scalars, meta)
+            return
+        compiled, tail = kept
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *tensors, *scalars, *tail)
+
+    def _first(self, key, grid, tensors, scalars, meta):
+        """Triton's own launch; keep what it compiled and the parameters after the positional ones in signature
+        order (the launcher takes every parameter, constexprs included, as Triton's `run` passes them)."""
+        compiled = self.kernel[grid](*tensors, *scalars, **meta)
+        if hasattr(compiled, "result"):         # Triton's asynchronous compile mode hands back a future
+            compiled = compiled.result()
+        params = self.kernel.params[len(tensors) + len(scalars):]
+        tail = tuple(meta[p.name] if p.name in meta else p.default for p in params)
+        if len(self.kept) >= MAX_KEYS:
+            self.kept.clear()
+        self.kept[key] = (compiled, tail)
