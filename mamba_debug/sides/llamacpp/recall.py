@@ -25,12 +25,14 @@ import struct
 from collections import OrderedDict
 from typing import Optional
 
+from .lib import GgmlTensor as _T
 from .nodes import LAYOUT, Node
 
-NAME_OFF = 256                  # offsetof(struct ggml_tensor, name) (nodes.LAYOUT: checked against lib.GgmlTensor)
-PTRS_OFF = 152                  # offsetof(struct ggml_tensor, src): src[10], then view_src
+NAME_OFF = _T.name.offset
+PTRS_OFF = _T.src.offset        # src[10], then view_src
 PTRS = struct.Struct("@11P")
-BUFFER = struct.Struct("@P")    # the buffer pointer, at offset 8
+BUFFER = struct.Struct("@P")
+assert _T.view_src.offset == PTRS_OFF + 10 * PTRS.size // 11, "lib.GgmlTensor: view_src follows src[10]"
 MAX_KEPT = 50_000
 MAX_MODELS = 4
 _MEMORY: "OrderedDict[tuple, Memory]" = OrderedDict()
@@ -88,6 +90,8 @@ def memory(key: tuple) -> Memory:
 def node_key(raw: bytes, at: dict, leaf_name, buffer_name) -> tuple:
     """The node's address-free key (module docstring) from its struct's bytes: `at` address -> index of this graph's
     nodes so far, `leaf_name(addr)` the name of a tensor that is no node, `buffer_name(addr)` a buffer's."""
-    fixed = raw[:4] + raw[16:PTRS_OFF] + raw[240:248]       # type, ne, nb, op, op_params, flags; view_offs
-    return (fixed + raw[NAME_OFF:NAME_OFF + 64].split(b"\0", 1)[0], buffer_name(BUFFER.unpack_from(raw, 8)[0]),
+    fixed = (raw[:_T.type.size] + raw[_T.ne.offset:PTRS_OFF]           # type; ne, nb, op, op_params, flags
+             + raw[_T.view_offs.offset:_T.view_offs.offset + _T.view_offs.size])
+    return (fixed + raw[NAME_OFF:NAME_OFF + 64].split(b"\0", 1)[0],
+            buffer_name(BUFFER.unpack_from(raw, _T.buffer.offset)[0]),
             tuple([-1 if not a else at[a] if a in at else leaf_name(a) for a in PTRS.unpack_from(raw, PTRS_OFF)]))
