@@ -106,7 +106,16 @@ def one_run(model, ids, ubatch: int, n_seqs: int, profile=None, count=False) -> 
 
 
 GRAPHS = {"S1xT1": (512, 1, 1), "S2xT1": (3, 2, 1), "S1xT24": (512, 1, 24)}
-FLOOR_MODES = ("untraced", "python_no", "python_yes_noop", "repeat", "first")
+FLOOR_MODES = ("untraced", "python_no", "python_yes_noop", "repeat", "first", "cold")
+
+
+def forget():
+    """Drop what the Tracer remembers across contexts (recall.py; nothing before it was there)."""
+    try:
+        from mamba_debug.sides.llamacpp import recall  # noqa: PLC0415
+    except ImportError:
+        return
+    recall._MEMORY.clear()
 
 
 def floors(model, ids, reps: int = 25) -> list:
@@ -114,7 +123,8 @@ def floors(model, ids, reps: int = 25) -> list:
     untraced (the callback answers no), python_no (a Python callback that answers no: the same in Python),
     python_yes_noop (a Python callback that says yes to every node and does nothing: what llama.cpp's per-node
     synchronisation and the callback's transitions cost), repeat (traced, a graph the trie knows), first (traced,
-    the trie emptied before: the graph mapped node by node, as the first graph of each kind in a run)."""
+    the trie emptied before, as the first graph of each kind in a new context: recalled where recall.py remembers
+    it), cold (also nothing remembered: mapped node by node, as the first graph of its kind in a process)."""
     mode = {"m": "repeat"}
 
     calls = {"python_no": lambda self, t, ask, user_data: False,
@@ -136,14 +146,17 @@ def floors(model, ids, reps: int = 25) -> list:
             for _ in range(reps):
                 for m in FLOOR_MODES:
                     mode["m"] = m
-                    if m == "first":
+                    if m in ("first", "cold"):
+                        if m == "cold":
+                            forget()
                         side.tracer._reset_trie()
                     t0 = time.perf_counter()
                     side._decode(toks, trace=m != "untraced")
                     got[m].append(time.perf_counter() - t0)
+            n_nodes = len(observe_nodes(side))      # before close: release() drops the graphs
             side.close()
             med = {m: statistics.median(v) * 1e3 for m, v in got.items()}
-            rows.append({"graph": name, "n_seqs": S, "tokens": T, "nodes": len(observe_nodes(side)),
+            rows.append({"graph": name, "n_seqs": S, "tokens": T, "nodes": n_nodes,
                          **{f"{m}_ms": round(v, 3) for m, v in med.items()},
                          **{f"{m}_x": round(v / med["untraced"], 2) for m, v in med.items() if m != "untraced"}})
     finally:

@@ -16,13 +16,22 @@ state / KV caches a node reads never change name or place while the context live
 the trie: the nodes so far are mapped again from their live structs, and the rest of the graph node by node (a new
 branch). The buffers of a path are reused by the next graph that takes it: a graph's values are valid until the next
 traced decode (the side converts them into its StepOutput before that).
+
+A new context has new addresses, so its first graph of each kind would be mapped node by node again (~15 us a node,
+~5x the rest of the callback); instead each node's outcome is also remembered across contexts and runs by an
+address-free key (recall.py: its struct with sources as node indices or names, for this model and library), and a
+node the raw trie does not know but the remembered trie does is rebuilt from it with its live addresses (~5 us) and
+keyed into the raw trie; only a node neither knows is mapped node by node (the nodes before it on this graph's path
+are then mapped again from their live structs, as when leaving the raw trie).
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Optional
 
 import numpy as np
 
+from . import recall
 from .lib import GgmlTensor
 from .local import OPS as LOCAL_OPS
 from .nodes import DTYPES, HEAD_NAMES, GraphMap, host_array, model_input, read_data, read_node
@@ -30,21 +39,32 @@ from .nodes import DTYPES, HEAD_NAMES, GraphMap, host_array, model_input, read_d
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
 NAME_OFF = GgmlTensor.name.offset
+assert NAME_OFF == recall.NAME_OFF and GgmlTensor.src.offset == recall.PTRS_OFF
 # Leaves that live as long as the context (model weights, recurrent states, KV cache): never renamed nor moved
 LASTING = (b"blk.", b"token_embd", b"output", b"cache_")
 MAX_STEPS = 200_000         # trie nodes kept before it starts over (graphs that never repeat would grow it forever)
+ARENA = 1 << 20             # bytes of the arenas the observed values are copied into
 
 
 class _Step:
-    """One node of a graph, mapped, given exactly the nodes before it on its path."""
-    __slots__ = ("parent", "node", "addr", "leaves", "read", "size", "shape", "emb", "kids", "next_raw", "next")
+    """One node of a graph, mapped, given exactly the nodes before it on its path. A step rebuilt from what recall.py
+    remembers makes its Node (from `kept` and its struct's bytes `raw`) only when asked for it: most never are."""
+    __slots__ = ("parent", "index", "addr", "raw", "kept", "_node", "leaves", "read", "size", "shape", "emb", "kids",
+                 "next_raw", "next")
 
-    def __init__(self, parent, node=None, leaves=None, read=None, shape=None, emb=False):
-        self.parent, self.node, self.leaves, self.read, self.shape, self.emb = parent, node, leaves, read, shape, emb
-        self.addr = node.addr if node is not None else None
-        self.size = node.size if node is not None else 0
+    def __init__(self, parent, index=-1, addr=None, raw=None, kept=None, node=None, leaves=None, read=None,
+                 shape=None, emb=False):
+        self.parent, self.index, self.addr, self.raw, self.kept, self._node = parent, index, addr, raw, kept, node
+        self.leaves, self.read, self.shape, self.emb = leaves, read, shape, emb
+        self.size = node.size if node is not None else kept.size if parent is not None else 0
         self.kids: dict = {}
         self.next_raw = self.next = None        # the first child: most graphs of a kind take one path
+
+    @property
+    def node(self):
+        if self._node is None and self.parent is not None:
+            self._node = self.kept.node(self.raw, self.addr, self.index)
+        return self._node
 
     def add(self, raw: bytes, kid: "_Step") -> "_Step":
         self.kids[raw] = kid
@@ -52,49 +72,61 @@ class _Step:
             self.next_raw, self.next = raw, kid
         return kid
 
+    def path(self) -> list:
+        """The steps from the graph's first node to this one."""
+        out, s = [], self
+        while s.parent is not None:
+            out.append(s)
+            s = s.parent
+        return out[::-1]
 
-def graph_nodes(g: dict) -> list:
-    """The Nodes of one ubatch graph in graph order."""
+
+def graph_nodes(g: dict, sited: bool = False) -> list:
+    """The Nodes of one ubatch graph in graph order; sited: only those with a site (the others are not made)."""
     if "map" in g:
-        return list(g["map"].nodes.values())
-    out, s = [], g.get("last")
-    while s is not None and s.node is not None:
-        out.append(s.node)
-        s = s.parent
-    return out[::-1]
+        return [n for n in g["map"].nodes.values() if n.site or not sited]
+    path = g["last"].path() if g.get("last") is not None else []
+    return [s.node for s in path if s.kept.site or not sited]
 
 
 class Tracer:
     """The side's eval callback (`eval`) and what it keeps: `begin` before each llama_decode, `end` after it."""
 
-    def __init__(self, lib, kinds: list, observed: frozenset):
+    def __init__(self, lib, kinds: list, observed: frozenset, model=None):
+        """model: what identifies the model's file (side.model_key); the remembered trie is this model's, library's,
+        layer kinds' and observed sites' own (recall.py). None: nothing remembered across Tracers."""
         self.lib, self.kinds, self.observed = lib, kinds, observed
         self.get = lib.dll.ggml_backend_tensor_get
         self.tracing, self.error, self.graphs, self.cur = False, None, [], None
         self.local = self.fault = None
         self.weights: dict = {}         # --local: weights as float64, read once
+        self.recall_key = None if model is None else \
+            (str(lib.path), lib.version, lib.commit, model, tuple(kinds), observed)
         self._reset_trie()
 
     def _reset_trie(self):
-        self.root, self.pool, self.steps = _Step(None), {}, 0
+        self.memory = None if self.recall_key is None else recall.memory(self.recall_key)
+        self.root = _Step(None, kept=None if self.memory is None else self.memory.root)
+        self.pool, self.arena, self.steps = {}, None, 0
 
     def release(self):
         """Drop everything it holds: the trie and its buffers, the weights kept for --local, the last ubatch's
         graphs and node data, and the LocalErrors (on a GPU, its float64 weights). The ctypes callback that wraps
         `eval` is kept for the life of the process (side._KEEP), and with it this object: a 2.8B run left ~25 GB
-        of host and ~15 GB of GPU memory behind per run before this dropped the last three."""
+        of host and ~15 GB of GPU memory behind per run before this dropped the last three. What recall.py
+        remembers (no addresses, buffers or values) stays for the next context."""
         self._reset_trie()
         self.weights = {}
         self.tracing, self.local, self.fault, self.cur, self.gm = False, None, None, None, None
-        self.graphs, self.names, self.data = [], {}, {}
+        self.graphs, self.names, self.data, self.at, self.checked, self.bufs = [], {}, {}, None, set(), {}
 
     def begin(self, trace: bool, u: int, first_seq: int, fault=None, local=None):
-        if self.steps > MAX_STEPS:
+        if self.steps > MAX_STEPS or self.memory is not None and self.memory.full():
             self._reset_trie()
         self.tracing, self.u, self.first_seq, self.fault, self.local = trace, u, first_seq, fault, local
         self.graphs, self.error, self.names, self.data = [], None, {}, {}
-        self.cur = self.gm = None
-        self.legacy, self.checked = local is not None, set()
+        self.cur = self.gm = self.at = None
+        self.legacy, self.checked, self.bufs = local is not None, set(), {}
         self.every = fault is not None      # the fault hook sees every node, between nodes
 
     def end(self) -> list:
@@ -157,7 +189,8 @@ class Tracer:
 
     # -- the slow path: a node the trie does not know here ------------------------------------------------------------
     def _slow(self, t: int, raw) -> bool:
-        """Map a node node by node (at its ask) and grow the trie; whether to observe it."""
+        """Map a node the raw trie does not know here (at its ask): from what recall.py remembers, else node by node;
+        key it into the raw trie; whether to observe it."""
         raw = STRUCT.from_address(t).raw if raw is None else raw
         cur = self.cur
         if cur is None:                             # the first node of this decode starts its graph
@@ -166,57 +199,85 @@ class Tracer:
                 self.cur = s
                 self._start(s, t)
                 return self.every or s.read is not None
-            cur, self.gm = self.root, GraphMap(self.names, self.kinds)
-        elif self.gm is None:                       # left the trie: the nodes so far mapped again, live
-            self._remap(cur)
-        index = 0 if cur is self.root else cur.node.index + 1
-        node = read_node(self.lib, t, index, raw)
-        emb = node.op == "GET_ROWS" and is_embedding(self.lib, t)
-        if emb and cur is not self.root:           # a second graph in one decode (step() refuses it): as before
+            cur, self.at = self.root, {}
+        elif self.at is None:                       # left the raw trie: this graph's nodes so far, from the path
+            self._resume(cur)
+        index = cur.index + 1
+        self.new_leaves = []
+        key = recall.node_key(raw, self.at, self._leaf_name, self._buffer_name)
+        kept = cur.kept.kids.get(key) if cur.kept is not None and self.gm is None else None
+        node = None
+        if kept is None:                            # node by node (the nodes so far mapped again, live)
+            if self.gm is None:
+                self._remap(cur)
+            node = self.gm.add(read_node(self.lib, t, index, raw))
+            kept = recall.Kept(node, node.op == "GET_ROWS" and is_embedding(self.lib, t), self._view(node))
+            if cur.kept is not None:
+                self.memory.add(cur.kept, key, kept)
+        self.at[t] = index
+        if kept.emb and cur is not self.root:      # a second graph in one decode (step() refuses it): as before
             self._close(self.graphs[0])
             self.legacy, self.cur = True, None
             return True
-        gm, checked, leaves = self.gm, self.checked, []
-        for a in node.src + [node.view_src] if node.view_src else node.src:    # the tensors read that are no nodes
-            if a not in gm.nodes and a not in checked:
-                checked.add(a)
-                name = NAME.from_address(a + NAME_OFF).value
-                if not name.startswith(LASTING):
-                    leaves.append((a, name))
-        gm.add(node)
-        read = None
-        if node.site and (node.layer, node.site) in self.observed:
-            read = self._buffer(node, index)
-        shape = (node.ne[1], node.ne[2]) if node.op == "SSM_CONV" else cur.shape
-        s = self.cur = cur.add(raw, _Step(cur, node, tuple(leaves) or None, read, shape, emb))
+        read = None if kept.view is None else self._buffer(kept, index)
+        s = self.cur = cur.add(raw, _Step(cur, index, t, raw, kept, node, tuple(self.new_leaves) or None, read,
+                                          kept.conv or cur.shape, kept.emb))
         self.steps += 1
         if cur is self.root:
             self._start(s, t)
         return self.every or read is not None
 
-    def _remap(self, cur: _Step):
-        self.gm = GraphMap(self.names, self.kinds)
-        path = []
-        while cur.node is not None:
-            path.append(cur)
-            cur = cur.parent
-        for s in reversed(path):
-            self.gm.add(read_node(self.lib, s.node.addr, s.node.index))
+    def _leaf_name(self, a: int) -> bytes:
+        """The name of a tensor read that is no node; noted at its first read in a graph unless it lasts as long as
+        the context (checked on the raw trie's path: its address may hold another tensor in a later graph)."""
+        name = NAME.from_address(a + NAME_OFF).value
+        if a not in self.checked:
+            self.checked.add(a)
+            if not name.startswith(LASTING):
+                self.new_leaves.append((a, name))
+        return name
+
+    def _buffer_name(self, buf: int) -> bytes:
+        name = self.bufs.get(buf)
+        if name is None:
+            name = self.bufs[buf] = self.lib.dll.ggml_backend_buffer_name(buf) if buf else b"?"
+        return name
+
+    def _resume(self, cur: _Step):
+        """Where this graph's nodes so far are and which tensors they read, from the raw trie's path to cur."""
+        self.at = {}
+        for s in cur.path():
+            self.at[s.addr] = s.index
             self.checked.update(a for a, _ in s.leaves or ())
 
-    def _buffer(self, node, index: int) -> tuple:
-        """(site, address, bytes, array): where a mapped node's values are copied; one buffer per position in the
-        graph and size, shared by the paths through it (one graph at a time uses it)."""
+    def _remap(self, cur: _Step):
+        self.gm = GraphMap(self.names, self.kinds)
+        for s in cur.path():
+            self.gm.add(read_node(self.lib, s.addr, s.index))
+
+    def _view(self, node) -> Optional[tuple]:
+        """How a mapped node's values are read, where a site needs them: (shape, dtype, strides, ggml_nbytes)."""
+        if not node.site or (node.layer, node.site) not in self.observed:
+            return None
         dtype = DTYPES.get(node.type)
         if dtype is None:
             raise TypeError(f"node {node.name!r}: ggml type {node.type} is not read by mamba-debug")
-        extent = self.lib.dll.ggml_nbytes(node.addr)
-        pooled = self.pool.get((index, extent))
-        if pooled is None:
-            buf = np.empty(max(extent, 1), dtype=np.uint8)
-            pooled = self.pool[(index, extent)] = buf, buf.ctypes.data
-        arr = np.ndarray(shape=node.ne[::-1], dtype=dtype, buffer=pooled[0], strides=node.nb[::-1])
-        return (node.layer, node.site), pooled[1], extent, arr
+        return node.ne[::-1], dtype, node.nb[::-1], self.lib.dll.ggml_nbytes(node.addr)
+
+    def _buffer(self, kept: recall.Kept, index: int) -> tuple:
+        """(site, address, bytes, array): where a mapped node's values are copied; one slice of an arena per
+        position in the graph and size, shared by the paths through it (one graph at a time uses it)."""
+        shape, dtype, strides, extent = kept.view
+        slot = self.pool.get((index, extent))
+        if slot is None:
+            size = -(-max(extent, 1) // 64) * 64
+            if self.arena is None or self.used + size > self.arena.size:    # a new arena (the old one stays alive
+                self.arena = np.empty(max(size, ARENA), dtype=np.uint8)     # as long as arrays view it)
+                self.arena_addr, self.used = self.arena.ctypes.data, 0
+            slot = self.pool[(index, extent)] = self.arena, self.used, self.arena_addr + self.used
+            self.used += size
+        arr = np.ndarray(shape=shape, dtype=dtype, buffer=slot[0], offset=slot[1], strides=strides)
+        return (kept.layer, kept.site), slot[2], extent, arr
 
     def _start(self, s: _Step, t: int):
         g = {"data": self.data, "last": None}

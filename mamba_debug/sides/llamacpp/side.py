@@ -58,6 +58,13 @@ def gguf_for(model, cache_dir: Optional[Path] = None) -> Path:
     return path
 
 
+def model_key(gguf: Path) -> tuple:
+    """What tells this model's file from another's for what the Tracer remembers across runs (observe.py, recall.py):
+    its path, size and modification time (a file rewritten in place is another model)."""
+    st = Path(gguf).stat()
+    return str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns
+
+
 class LlamaCppSide:
     def __init__(self, model, s: RunSettings):
         self.model, self.cfg, self.s = model, model.config, s
@@ -141,7 +148,7 @@ class LlamaCppSide:
             cp.flash_attn_type = 0          # LLAMA_FLASH_ATTN_TYPE_DISABLED
         if self.tracer is not None:         # its callback stays alive (_KEEP): free what it holds
             self.tracer.release()
-        self.tracer = Tracer(self.lib, self.kinds, self.observed_sites())    # node addresses of this context
+        self.tracer = Tracer(self.lib, self.kinds, self.observed_sites(), model_key(self.gguf))  # this context's
         self._cb = EvalCallback(self.tracer.eval)
         _KEEP.append(self._cb)
         cp.cb_eval = ctypes.cast(self._cb, ctypes.c_void_p)
@@ -198,7 +205,7 @@ class LlamaCppSide:
         if self.u == 0 and self.first_seq == 0:
             self.info.extra["nodes"] = [{"index": n.index, "layer": n.layer, "site": n.site, "op": n.op,
                                          "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
-                                        for n in graph_nodes(g) if n.site]
+                                        for n in graph_nodes(g, sited=True)]
             if self.s.devices:      # which backend buffer each block's (and the head's) nodes were read from
                 self.info.extra["layer_backends"] = layer_backends(self.info.extra["nodes"])
         self._history.append((self.first_seq, tokens, logits, time.perf_counter() - t0))
