@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch
+from mamba_debug.triton_launch import Launch, cdiv as _cdiv, next_pow2 as _pow2
 
 NAME = "triton"
 DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
@@ -406,15 +406,6 @@ def _ssm_scan_tiled_kernel(
 # every output element is the same sum in the same order whatever the blocks are. Two exceptions, both rounding
 # only: compiled, the scan's sum over N may be split across threads differently for other blocks or strides; and
 # a scan cut into time chunks carries the state chunk to chunk (P h + E) instead of token to token.
-
-# triton.cdiv and triton.next_power_of_2 are jit / constexpr functions: ~0.8 us per call from the host
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()      # n >= 1
-
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:

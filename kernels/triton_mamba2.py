@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch
+from mamba_debug.triton_launch import Launch, next_pow2
 
 NAME = "triton_mamba2"
 DESCRIPTION = "Triton ssd_scan (chunked SSD prefill, recurrent decode) and grouped gated RMSNorm for Mamba-2"
@@ -189,7 +189,7 @@ def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = 
         new_state.copy_(ssm_state)
         return y, new_state
     plan = dict(plan) if plan is not None else scan_plan(S, T, H, P, N, states_out is not None)
-    block_p, block_n = triton.next_power_of_2(P), triton.next_power_of_2(N)
+    block_p, block_n = next_pow2(P), next_pow2(N)
     common = (T, P, N, H // G)
     strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
                *y.stride(), *new_state.stride())
@@ -202,7 +202,7 @@ def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = 
     Q = int(plan["chunk_size"])
     lo = 1 if INTERPRET else 16                    # tl.dot needs 16-wide tiles when compiled
     _launch_chunked((S, H), (ssm_state, x, dt, A, B, C, y, new_state), (*common, Q, *strides),
-                    dict(BLOCK_Q=max(lo, triton.next_power_of_2(Q)), BLOCK_P=max(lo, block_p),
+                    dict(BLOCK_Q=max(lo, next_pow2(Q)), BLOCK_P=max(lo, block_p),
                          BLOCK_N=max(lo, block_n)))
     return y, new_state
 
@@ -219,7 +219,7 @@ def rms_norm_gated(x, z, weight, eps, n_groups):
     if S * T:
         _launch_norm((S * T, n_groups), (x, z, weight, y),
                      (T, group, float(eps), *x.stride(), *z.stride(), *weight.stride(), *y.stride()),
-                     dict(BLOCK=triton.next_power_of_2(group)))
+                     dict(BLOCK=next_pow2(group)))
     return y
 
 

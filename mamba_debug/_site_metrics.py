@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch
+from mamba_debug.triton_launch import Launch, cdiv, next_pow2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -251,8 +251,18 @@ def _row_layout(t: torch.Tensor):
     Returns (t, X2, sx1, sx2, two): flat index x is at x * sx1 (one strided run), or at (x // X2) * sx1 +
     (x % X2) * sx2 (two runs, e.g. transposed trailing dims). Size-1 dims are dropped and adjacent dims that
     continue each other's strides are merged first."""
+    layout = _layout(t.shape[2:], t.stride()[2:])
+    # Three or more separate strided runs (e.g. a permuted 5-D view): the kernel walks at most two, so this view
+    # is copied once. No site of the engine is such a view.
+    return (t, *layout) if layout is not None else _row_layout(t.contiguous())
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shape: tuple, strides: tuple):
+    """_row_layout's (X2, sx1, sx2, two) of trailing dims, None for three or more runs (cached: every site of a
+    layer has the same few shapes, layer after layer)."""
     runs = []
-    for n, st in zip(t.shape[2:], t.stride()[2:]):
+    for n, st in zip(shape, strides):
         if n == 1:
             continue
         if runs and runs[-1][1] == n * st:
@@ -260,14 +270,12 @@ def _row_layout(t: torch.Tensor):
         else:
             runs.append((n, st))
     if not runs:
-        return t, 1, 1, 0, False
+        return 1, 1, 0, False
     if len(runs) == 1:
-        return t, 1, runs[0][1], 0, False
+        return 1, runs[0][1], 0, False
     if len(runs) == 2:
-        return t, runs[1][0], runs[0][1], runs[1][1], True
-    # Three or more separate strided runs (e.g. a permuted 5-D view): the kernel walks at most two, so this view
-    # is copied once. No site of the engine is such a view.
-    return _row_layout(t.contiguous())
+        return runs[1][0], runs[0][1], runs[1][1], True
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,18 +295,18 @@ def plan(R: int, X: int, sms: int = 0) -> dict:
     a ubatch (S rows of 81920: 80 one-step pieces per row) or the per-token states of a ubatch of 512 (3 pieces
     per row, 1536 programs instead of 512, about 1.3 waves of resident programs otherwise).
     benchmarks/site_metrics_bench.py times other cuts."""
-    bx = triton.next_power_of_2(max(X, 1))
+    bx = next_pow2(max(X, 1))
     if not sms:
         block_x = min(bx, 2 ** 14)
-        rows = max(1, min(triton.next_power_of_2(R), 2 ** 16 // block_x))
+        rows = max(1, min(next_pow2(R), 2 ** 16 // block_x))
         return dict(BLOCK_X=block_x, ROWS=rows, SPLIT=1, num_warps=1)
     block_x = min(bx, 1024)
-    rows = max(1, min(triton.next_power_of_2(R), 1024 // block_x))
-    programs = triton.cdiv(R, rows)
+    rows = max(1, min(next_pow2(R), 1024 // block_x))
+    programs = cdiv(R, rows)
     split = 1
     if programs < 8 * sms:
         min_piece = block_x if programs < sms else 16 * block_x    # enough programs already: long pieces only
-        split = max(1, min(triton.cdiv(X, min_piece), triton.cdiv(8 * sms, programs)))
+        split = max(1, min(cdiv(X, min_piece), cdiv(8 * sms, programs)))
     return dict(BLOCK_X=block_x, ROWS=rows, SPLIT=split, num_warps=max(1, min(8, rows * block_x // 128)))
 
 
@@ -322,20 +330,20 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
         config = plan(R, X, 0 if INTERPRET else _sm_count(b.device.index if b.device.index is not None
                                                           else torch.cuda.current_device()))
     block_x, rows, split = config["BLOCK_X"], config["ROWS"], config["SPLIT"]
-    chunk = triton.cdiv(triton.cdiv(X, split), block_x) * block_x
-    split = triton.cdiv(X, chunk)         # no empty piece
+    chunk = cdiv(cdiv(X, split), block_x) * block_x
+    split = cdiv(X, chunk)         # no empty piece
     part = out if split == 1 else torch.empty((N_PARTS, split, R), dtype=torch.float64, device=b.device)
     guard = (torch.cuda.device(b.device) if not INTERPRET and b.device.index is not None
              and b.device.index != torch.cuda.current_device() else contextlib.nullcontext())
     with guard, _quiet():
-        _launch_rows((triton.cdiv(R, rows), split), (a, b, out, part),
+        _launch_rows((cdiv(R, rows), split), (a, b, out, part),
                      (R, T, X, chunk, split, a.stride(0), a.stride(1), a_X2, a_sx1, a_sx2,
                       b.stride(0), b.stride(1), b_X2, b_sx1, b_sx2),
                      dict(A_TWO=a_two, B_TWO=b_two, FINAL=split == 1, ROWS=rows, BLOCK_X=block_x,
                           num_warps=config.get("num_warps", 4)))
         if split > 1:
-            block_r = min(triton.next_power_of_2(R), 1024 if INTERPRET else 128)
-            _launch_combine((triton.cdiv(R, block_r),), (part, out), (R, split),
+            block_r = min(next_pow2(R), 1024 if INTERPRET else 128)
+            _launch_combine((cdiv(R, block_r),), (part, out), (R, split),
                             dict(BLOCK_R=block_r, num_warps=1 if INTERPRET else 4))
     return dict(zip(METRICS, out.unbind(0)))
 
@@ -403,7 +411,7 @@ def _launch_sites(items: list, device, block_x: int, rows: int, warps: int, a_tw
                       a.stride(0), a.stride(1), a_X2, a_sx1, a_sx2, b.stride(0), b.stride(1), b_X2, b_sx1, b_sx2,
                       off, first])
         off += 4 * R
-        first += triton.cdiv(R, rows)
+        first += cdiv(R, rows)
     table.append([0] * (N_FIELDS - 1) + [1 << 62])          # the sentinel: starts past every program
     t = torch.tensor(table, dtype=torch.int64)
     t = t.to(device) if INTERPRET else t.pin_memory().to(device, non_blocking=True)

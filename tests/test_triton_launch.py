@@ -111,3 +111,13 @@ def test_tritons_default_hook_is_no_hook():
 
     from mamba_debug.triton_launch import _hooked
     assert not _hooked(knobs.runtime.launch_enter_hook)
+
+
+def test_host_arithmetic_matches_tritons():
+    import triton
+
+    from mamba_debug.triton_launch import cdiv, next_pow2
+    for n in range(1, 70):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 64):
+            assert cdiv(n, d) == triton.cdiv(n, d)
