@@ -304,10 +304,11 @@ def tracing_levels(dev) -> list[dict]:
     ]
 
 
-PROFILE = None        # --profile TEXT: a cProfile of one run of the tracing level whose description contains TEXT
+PROFILE = None        # --profile TEXT: profiles of one run of the tracing level whose description contains TEXT
 
 
 def profile(run):
+    """Where one run's time goes: host (cProfile, by own time), then on a GPU the kernels (torch.profiler)."""
     sync()
     pr = cProfile.Profile()
     pr.enable()
@@ -315,6 +316,11 @@ def profile(run):
     sync()
     pr.disable()
     pstats.Stats(pr).sort_stats("tottime").print_stats(28)
+    if CUDA:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
@@ -577,8 +583,8 @@ def main(argv=None):
                     help="ubatch(es) of the comparison, comma-separated (default: the largest within 48 GB)")
     ap.add_argument("--breakdown", action="store_true",
                     help="after the timed comparisons, one more at the first ubatch with each side synced and timed")
-    ap.add_argument("--profile", default=None, help="print a cProfile of the tracing level whose description "
-                                                    "contains this text (e.g. 'at birth')")
+    ap.add_argument("--profile", default=None, help="print a cProfile (and on a GPU a kernel profile) of the tracing "
+                                                    "level whose description contains this text (e.g. 'at birth')")
     ap.add_argument("--parts", default="tracing,e2e,cpu_ref", help="comma-separated subset of tracing,e2e,cpu_ref")
     ap.add_argument("--time-budget-s", type=float, default=240, help="skip the CPU-reference estimate past this")
     args = ap.parse_args(argv)

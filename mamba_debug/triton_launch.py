@@ -12,6 +12,7 @@ always the one Triton would pick:
 * every integer argument by value (Triton keys on value classes: 1, multiple of 16, 32 or 64 bits),
 * every tensor argument by dtype and by whether its address is a multiple of 16,
 * every meta (constexpr and option) value in call order, and the current device.
+Triton's global compilation knobs (debug, instrumentation) are not in the key: set them before the first launch.
 Under the interpreter, and while a launch hook is set (a profiler such as proton wants every launch's metadata),
 every call takes Triton's own path. Otherwise the launcher gets no launch metadata and no hooks (Triton builds the
 metadata and calls its empty hook chain on every launch).
@@ -52,12 +53,14 @@ class Launch:
             self.runtime, self.drivers = knobs.runtime, driver    # the active driver is found at the first launch
 
     def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, meta: dict):
-        if self.interpret or _hooked(self.runtime.launch_enter_hook):
+        if self.interpret or _hooked(self.runtime.launch_enter_hook) or _hooked(self.runtime.launch_exit_hook):
             self.kernel[grid](*tensors, *scalars, **meta)
             return
         active = self.drivers.active
         device = active.get_current_device()
-        key = (device, tuple(meta.values()), scalars, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
+        values = (*meta.values(), *scalars)
+        # types too: 1, True and 1.0 are one dict key, three specializations to Triton
+        key = (device, values, tuple(map(type, values)), tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
         kept = self.kept.get(key)
         if kept is None:
             self._first(key, grid, tensors, scalars, meta)
@@ -74,6 +77,8 @@ class Launch:
         compiled = self.kernel[grid](*tensors, *scalars, **meta)
         if hasattr(compiled, "result"):         # Triton's asynchronous compile mode hands back a future
             compiled = compiled.result()
+        if compiled is None:                    # a jit cache hook asked Triton not to compile: nothing to keep
+            return
         params = self.kernel.params[len(tensors) + len(scalars):]
         tail = tuple(meta[p.name] if p.name in meta else p.default for p in params)
         if len(self.kept) >= MAX_KEYS:

@@ -53,7 +53,8 @@ class FakeActive:
 def compiled_launch():
     kernel = FakeKernel()
     launch = Launch(kernel, interpret=False)
-    launch.runtime, launch.drivers = SimpleNamespace(launch_enter_hook=None), SimpleNamespace(active=FakeActive())
+    launch.runtime = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    launch.drivers = SimpleNamespace(active=FakeActive())
     return kernel, launch
 
 
@@ -71,7 +72,7 @@ def test_first_call_is_tritons_then_the_kept_launcher_gets_every_parameter(compi
     assert kind == "kept" and args == (5, 2, 1, 1234, "fn", "pm", None, None, None, a, b, 8, 1, 16, 7)
 
 
-@pytest.mark.parametrize("change", ["scalar", "meta", "dtype", "alignment"])
+@pytest.mark.parametrize("change", ["scalar", "meta", "dtype", "alignment", "bool for int"])
 def test_anything_triton_specializes_on_is_a_new_key(compiled_launch, change):
     kernel, launch = compiled_launch
     buf = torch.zeros(16)
@@ -82,6 +83,8 @@ def test_anything_triton_specializes_on_is_a_new_key(compiled_launch, change):
         scalars = (8, 16)                       # 1 and multiples of 16 are specialized
     elif change == "meta":
         meta = {"BLOCK": 32}
+    elif change == "bool for int":
+        scalars = (8, True)                     # == 1 as a dict key; a u1 argument to Triton
     elif change == "dtype":
         tensors = (a, b.double())
     else:
@@ -92,10 +95,13 @@ def test_anything_triton_specializes_on_is_a_new_key(compiled_launch, change):
     assert kernel.calls[-1][0] == "kept"
 
 
-@pytest.mark.parametrize("hook", [print, SimpleNamespace(calls=[print])], ids=["function", "chain"])
+@pytest.mark.parametrize("hook", [print, SimpleNamespace(calls=[print]), "exit"], ids=["function", "chain", "exit"])
 def test_a_launch_hook_or_the_interpreter_always_takes_tritons_path(compiled_launch, hook):
     kernel, launch = compiled_launch
-    launch.runtime.launch_enter_hook = hook         # a profiler wants every launch's metadata
+    if hook == "exit":
+        launch.runtime.launch_exit_hook = print
+    else:
+        launch.runtime.launch_enter_hook = hook     # a profiler wants every launch's metadata
     for _ in range(2):
         launch((1,), (torch.zeros(2),), (2,), {"BLOCK": 2})
     assert [c[0] for c in kernel.calls] == ["triton", "triton"] and not launch.kept
@@ -110,7 +116,7 @@ def test_tritons_default_hook_is_no_hook():
     from triton import knobs
 
     from mamba_debug.triton_launch import _hooked
-    assert not _hooked(knobs.runtime.launch_enter_hook)
+    assert not _hooked(knobs.runtime.launch_enter_hook) and not _hooked(knobs.runtime.launch_exit_hook)
 
 
 def test_host_arithmetic_matches_tritons():

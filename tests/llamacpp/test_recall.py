@@ -168,3 +168,15 @@ def test_what_is_remembered_is_small_and_bounded(gguf, fresh, monkeypatch):
     for i in range(recall.MAX_MODELS + 2):
         recall.memory(("model", i))
     assert len(recall._MEMORY) == recall.MAX_MODELS
+
+
+def test_a_tracer_without_a_model_key_remembers_nothing(gguf, fresh, monkeypatch):
+    """Tracer(..., model=None): every context maps node by node, with the same answers, and nothing is kept."""
+    truth = trace(gguf, 8, 1, monkeypatch, node_by_node=True)
+    monkeypatch.setattr(lside, "model_key", lambda path: None)
+    monkeypatch.setattr(recall, "_MEMORY", OrderedDict())
+    for _ in range(2):
+        before = fresh["read_node"]
+        same(trace(gguf, 8, 1, monkeypatch), truth)
+        assert fresh["read_node"] - before > 100          # mapped node by node again
+    assert not recall._MEMORY

@@ -212,7 +212,7 @@ class Tracer:
                 self._remap(cur)
             node = self.gm.add(read_node(self.lib, t, index, raw))
             kept = recall.Kept(node, node.op == "GET_ROWS" and is_embedding(self.lib, t), self._view(node))
-            if cur.kept is not None:
+            if cur.kept is not None and self.memory is not None:
                 self.memory.add(cur.kept, key, kept)
         self.at[t] = index
         if kept.emb and cur is not self.root:      # a second graph in one decode (step() refuses it): as before
