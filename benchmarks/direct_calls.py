@@ -4,14 +4,17 @@ Run on the GPU machine: TRITON_INTERPRET=0 python3 benchmarks/direct_calls.py  (
 
 Per case, all with a warm L2 (the graphed and the direct figure see the same caches):
 * graphed: `do_bench_cudagraph`, no host work at all;
-* direct: one call, then `torch.cuda.synchronize()`, wall clock, median of 50: what a user's `ssm_scan(...)` in a
-  notebook or a test costs, host work (checks, plan, allocations, Triton's launcher) included;
+* direct: one call on an idle GPU, then `torch.cuda.synchronize()`, wall clock, median of 100: what a user's
+  `ssm_scan(...)` in a notebook or a test costs, host work (checks, plan, allocations, Triton's launcher) included;
+  host: the same call until it returns (its host work alone). The kept launchers and Triton's own launch alternate
+  call by call (the machine's host speed drifts within a run);
 * pipelined: 50 calls back to back and one synchronize, per call: the host work hidden behind the GPU's, as in a
   model's forward pass.
 The kernels' own launchers (`kernels/triton.py`, with the kept launchers of mamba_debug.triton_launch and again
 through Triton's own `kernel[grid](...)` for comparison) and the engine's validating wrapper (`--kernels triton`:
 contract checks on every call) are timed, each against the kernels' graphed time (the wrapper's input check waits
-for the GPU, which a CUDA graph capture refuses).
+for the GPU, which a CUDA graph capture refuses). A first row times `z.add_(1)` the same ways: the floor of any
+direct call of a GPU op on that machine.
 """
 from __future__ import annotations
 
