@@ -20,14 +20,13 @@ Rules every kernel here follows, because each one is a bug seen in a real port (
 * the state is read at the start of the call and written at its end, so splitting a prompt into ubatches
   and carrying the state gives the same result as one call.
 """
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, cdiv as _cdiv, next_pow2 as _pow2
+from mamba_debug.triton_launch import Launch, cdiv as _cdiv, next_pow2 as _pow2, sm_count
 
 NAME = "triton"
 DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
@@ -407,11 +406,6 @@ def _ssm_scan_tiled_kernel(
 # only: compiled, the scan's sum over N may be split across threads differently for other blocks or strides; and
 # a scan cut into time chunks carries the state chunk to chunk (P h + E) instead of token to token.
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _conv_config(S: int, T: int, D: int, device=None) -> dict:
     """Block sizes and warps of ssm_conv on an [S, T, D] input.
 
@@ -444,7 +438,7 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
         # one token (decode, ubatch 1): the step schedule has fewer operations than preparing a tile
         return dict(schedule="tiled" if T > 1 else "steps", BLOCK_D=min(_pow2(D), 1024),
                     n_chunks=1, TILE_T=min(_pow2(T), 16), PREFETCH=0, num_warps=1)
-    sms = _sm_count(device.index if device is not None and device.index is not None else 0)
+    sms = sm_count(device)
     if T < 2 * MIN_CHUNK_T:
         # decode and short ubatches: one pass; the largest channel block that still gives about two programs per
         # SM (1.8 us per decode step at batch 1, 11.5 us at batch 64)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, cdiv, next_pow2
+from mamba_debug.triton_launch import Launch, cdiv, next_pow2, sm_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -278,11 +278,6 @@ def _layout(shape: tuple, strides: tuple):
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=4096)
 def plan(R: int, X: int, sms: int = 0) -> dict:
     """How R rows of X elements are cut: BLOCK_X elements per step, ROWS rows per program, SPLIT pieces per row.
@@ -327,8 +322,7 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     a, a_X2, a_sx1, a_sx2, a_two = _row_layout(a)
     b, b_X2, b_sx1, b_sx2, b_two = _row_layout(b)
     if config is None:
-        config = plan(R, X, 0 if INTERPRET else _sm_count(b.device.index if b.device.index is not None
-                                                          else torch.cuda.current_device()))
+        config = plan(R, X, 0 if INTERPRET else sm_count(b.device))
     block_x, rows, split = config["BLOCK_X"], config["ROWS"], config["SPLIT"]
     chunk = cdiv(cdiv(X, split), block_x) * block_x
     split = cdiv(X, chunk)         # no empty piece
@@ -365,7 +359,7 @@ def site_errors_sites(pairs: list) -> list[dict]:
             out[i] = dict(zip(METRICS, torch.empty((4, S, T), dtype=torch.float64, device=b.device).unbind(0)))
             continue
         if sms is None:
-            sms = _sm_count(b.device.index if b.device.index is not None else torch.cuda.current_device())
+            sms = sm_count(b.device)
         X = b.numel() // R
         cfg = plan(R, X, sms)
         a, *a_lay = _row_layout(a)

@@ -19,6 +19,10 @@ metadata and calls its empty hook chain on every launch).
 """
 from __future__ import annotations
 
+import functools
+
+import torch
+
 
 MAX_KEYS = 4096             # a shape per ubatch size and stride pattern; a process that sees more starts over
 
@@ -32,6 +36,17 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def sm_count(device=None) -> int:
+    """Streaming multiprocessors of a CUDA device (a torch.device; index None or no device: the current one)."""
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _hooked(hook) -> bool:
