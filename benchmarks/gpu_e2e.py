@@ -252,10 +252,16 @@ class AtBirth(_Capture):
     def __init__(self):
         super().__init__(to_host=False)
         self.kept = []             # each ubatch's Measured sites (the keep protocol)
+        self.host_s = 0.0          # host time in the layer measurements (grouping, tables, launches, result views)
 
     def site(self, layer, site, value, per_token):
         self.against = {(layer, site): (value, per_token)}
         super().site(layer, site, value, per_token)
+
+    def _measure_born(self):
+        t0 = time.perf_counter()
+        super()._measure_born()
+        self.host_s += time.perf_counter() - t0
 
     def take(self):
         self.kept.append(super().take())
@@ -304,6 +310,8 @@ def tracing_levels(dev) -> list[dict]:
     ]
 
 
+TRACE_DIR = os.environ.get("OUT")   # where --profile writes a chrome trace of its GPU run (a device call's $OUT)
+ONLY = None           # --only TEXT: run only the tracing levels whose description contains TEXT ('a|b': either)
 PROFILE = None        # --profile TEXT: profiles of one run of the tracing level whose description contains TEXT
 
 
@@ -316,11 +324,17 @@ def profile(run):
     sync()
     pr.disable()
     pstats.Stats(pr).sort_stats("tottime").print_stats(28)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(28)
     if CUDA:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
             run()
             sync()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        table = prof.key_averages()
+        print(table.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        print(table.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=60))
+        if TRACE_DIR:                      # the timeline, for gaps on the GPU and what the host did meanwhile
+            prof.export_chrome_trace(str(Path(TRACE_DIR) / f"trace_{len(list(Path(TRACE_DIR).glob('trace_*')))}.json"))
 
 
 def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
@@ -346,6 +360,8 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
     pageable_gb_s = next((r["host_gb_s"] for r in ceilings if "pageable" in r["what"]), None)
     dev_bytes = ubatch_capture_bytes(model.config, tokens.shape[1]) // 4      # every site, the device's float32
     for lv in tracing_levels(dev):
+        if ONLY and not any(p in lv["what"] for p in ONLY.split("|")):
+            continue
         if lv.get("cuda_only") and not CUDA:
             log(f"  skipped (no GPU, nothing to page): {lv['what']}")
             continue
@@ -359,6 +375,8 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
 
         def run():
             tap.bytes = 0
+            if hasattr(tap.inner, "host_s"):
+                tap.inner.host_s = 0.0     # the last (timed) run's, not the first run's compiles
             if keep is not None:
                 keep.kept.clear()          # one prefill's worth kept at a time
             return prefill(runner, tokens, ubatch, lv["after"])
@@ -371,11 +389,13 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
             # percent over a run (0.61 s untraced at the start of a run whose hook-only levels took 0.51 s)
             beside = median_time(lambda: prefill(plain, tokens, ubatch), reps, 0)
             r = row(lv["what"], t, beside, tap.bytes, lv["to_host"], peak)
+            host = getattr(tap.inner, "host_s", None)
             notes = [f"untraced beside it {beside:.3f} s",
+                     f"host time measuring the layers {host:.3f} s in the last run" if host else "",
                      check_capture(runner, tokens, ubatch, tap.inner) if lv["check"] else "",
                      pinned_note() if lv["to_host"] else ""]
             r["note"] = "; ".join(n for n in notes if n)
-            if PROFILE and PROFILE in lv["what"]:
+            if PROFILE and any(p in lv["what"] for p in PROFILE.split("|")):
                 profile(run)
         except Exception as exc:           # noqa: BLE001 - record it and go on to the next level
             rows.append(error_row("tracing", lv["what"], exc))
@@ -584,12 +604,14 @@ def main(argv=None):
     ap.add_argument("--breakdown", action="store_true",
                     help="after the timed comparisons, one more at the first ubatch with each side synced and timed")
     ap.add_argument("--profile", default=None, help="print a cProfile (and on a GPU a kernel profile) of the tracing "
-                                                    "level whose description contains this text (e.g. 'at birth')")
+                                                    "level whose description contains this text (e.g. 'at birth'; several: 'a|b')")
+    ap.add_argument("--only", default=None, help="run only the tracing levels whose description contains this "
+                                                 "text ('a|b': either); nothing is recorded then (a partial run)")
     ap.add_argument("--parts", default="tracing,e2e,cpu_ref", help="comma-separated subset of tracing,e2e,cpu_ref")
     ap.add_argument("--time-budget-s", type=float, default=240, help="skip the CPU-reference estimate past this")
     args = ap.parse_args(argv)
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, ONLY
+    PROFILE, ONLY = args.profile, args.only
     if not CUDA and not args.small:
         sys.exit("gpu_e2e.py: torch sees no GPU; the 2.8B run needs one (use --small to check the script on a CPU)")
     cfg = MambaConfig(**(SMALL if args.small else BIG))
@@ -598,7 +620,7 @@ def main(argv=None):
     trace_ub = args.trace_ubatch or (64 if args.small else 512)
     device = "cuda" if CUDA else "interpret"
     parts = set(args.parts.split(","))
-    out_dir = SMALL_OUT if args.small else OUT
+    out_dir = SMALL_OUT if args.small or args.only else OUT     # a partial run never replaces the record
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     log(f"{'small' if args.small else '2.8B-shaped'} Mamba-1: {param_count(cfg) / 1e9:.2f}B weights "

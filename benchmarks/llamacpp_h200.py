@@ -78,6 +78,8 @@ def cell(model, ids, n_gen=N_GEN, **kw) -> dict:
             "top1": j["logits"]["top1_agreement"],
             "matmul_paths": {f"{b}:{p}": c for (b, p), c in paths.items()},
             "local_first_over": (lc.get("local") or {}).get("first_over"),
+            "local_replay_s": (lc.get("local_replay") or {}).get("seconds"),
+            "fp32_everywhere": bool((lc.get("fp32_everywhere") or {}).get("asked")),
             "observer_bitwise": oe.get("logits_bitwise_identical"), "traced_s": oe.get("traced_s"),
             "untraced_s": oe.get("untraced_s"), "n_gen": n_gen, **mem.row()}
 
@@ -137,6 +139,10 @@ def main():
                     help="big: cells in this order, NGL:UB:S[:P],... (NGL all, half or a number; P prompt tokens, at most "
                          "--prompt-tokens); overrides the grid")
     ap.add_argument("--n-gen", type=int, default=N_GEN, help="big: generated tokens per cell")
+    ap.add_argument("--on-demand", action="store_true",
+                    help="big: local errors only when the verdict needs them (a divergence: the schedule replayed "
+                         "with them), the default of compare; without it every cell runs with --local")
+    ap.add_argument("--fp32-everywhere", action="store_true", help="big: every cell with --fp32-everywhere")
     ap.add_argument("--profile", action="store_true",
                     help="print a cProfile of each cell (top 25 by own time): where the traced seconds go")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -166,7 +172,8 @@ def main():
                  [(v, ub, S, "") for v in a.offloads.split(",") for ub in a.ubatches.split(",")
                   for S in a.seqs.split(",")])
         grid = [dict(device="cuda", offload=ngls[v] if v in ngls else int(v), ubatch=int(ub), n_seqs=int(S),
-                     local=True, ref_device="cuda", n_gen=a.n_gen, prompt_tokens=int(P or len(ids)))
+                     local=not a.on_demand, ref_device="cuda", n_gen=a.n_gen, prompt_tokens=int(P or len(ids)),
+                     **({"fp32_everywhere": True} if a.fp32_everywhere else {}))
                 for v, ub, S, P in cells]
     for kw in grid:
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
@@ -203,6 +210,13 @@ def main():
         what = r.get("error") or (f"{fd['layer']}.{fd['site']} tok {fd['token']} seq {fd['seq']}" if fd else "clean")
         print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  {what[:50]:50} "
               f"{r.get('logits_rel_l2_max') or 0:9.2e}   {r.get('matmul_paths')}")
+    print("\ndevice ngl  ub  S  local      fp32  traced s  untraced s  x untraced  replay s  cell s")
+    for r in rows:
+        if r.get("traced_s") and r.get("untraced_s"):
+            print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  "
+                  f"{'always' if r.get('local') else 'on demand':9}  {'yes' if r.get('fp32_everywhere') else 'no':4}  "
+                  f"{r['traced_s']:8.3f}  {r['untraced_s']:10.4f}  {r['traced_s'] / r['untraced_s']:10.1f}  "
+                  f"{r.get('local_replay_s') or 0:8.2f}  {r['seconds']:6.1f}")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def goals() -> list:
     lh = _load("llamacpp_h200.json")
     if lh:
         big = [r for r in lh["rows"] if r.get("mode") == "big" and r.get("traced_s") and r.get("untraced_s")
-               and r["device"] == "cuda" and r.get("offload") == 65 and "session 8" in str(r.get("date"))]
+               and r["device"] == "cuda" and r.get("offload") == 65 and "session 10" in str(r.get("date"))
+               and not r.get("fp32_everywhere")]      # the default path (TF32 cuBLAS at -ub 512)
         if big:
             worst = max(big, key=lambda r: r["traced_s"] / r["untraced_s"])
             out.append((f"5 llama.cpp tracing, CUDA (2.8B, -ngl all, -ub {worst['ubatch']})",

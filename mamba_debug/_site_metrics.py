@@ -196,21 +196,46 @@ def _combine_kernel(part_ptr, out_ptr, R, SPLIT, BLOCK_R: tl.constexpr):
     _store_metrics(out_ptr, rows, ok, R, num, den, aa, ab, mx, a_bad, b_bad)
 
 
-# Fields of one site in `_sites_kernel`'s table (int64): element offsets of dev and ref from the launch's anchor
-# tensors, rows R = S * T and T, elements per row X, both tensors' strides as in _row_stats_kernel, where its four
-# metric rows start in `out`, and the first program of the site.
-FIELDS = ("a_off", "b_off", "R", "T", "X", "a_ss", "a_st", "a_X2", "a_sx1", "a_sx2",
-          "b_ss", "b_st", "b_X2", "b_sx1", "b_sx2", "out_off", "first")
+# Fields of one site in `_sites_kernel`'s table (int64): rows R = S * T and T, elements per row X, both tensors'
+# strides as in _row_stats_kernel, where its four metric rows start in `out`, and the first program of the site.
+# Nothing in it depends on where the tensors lie (they are the launch's arguments), so a kept plan uploads it once.
+FIELDS = ("R", "T", "X", "a_ss", "a_st", "a_X2", "a_sx1", "a_sx2", "b_ss", "b_st", "b_X2", "b_sx1", "b_sx2",
+          "out_off", "first")
 N_FIELDS = len(FIELDS)
 NF = tl.constexpr(N_FIELDS)          # the kernel's copy: a jit function reads only constexpr globals
+SITES_PER_LAUNCH = 16                # pointer arguments of `_sites_kernel` per side
+
+
+@_device_function
+def _pick(i, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):
+    """p_i (a kernel cannot index its arguments)."""
+    p = tl.where(i == 1, p1, p0)
+    p = tl.where(i == 2, p2, p)
+    p = tl.where(i == 3, p3, p)
+    p = tl.where(i == 4, p4, p)
+    p = tl.where(i == 5, p5, p)
+    p = tl.where(i == 6, p6, p)
+    p = tl.where(i == 7, p7, p)
+    p = tl.where(i == 8, p8, p)
+    p = tl.where(i == 9, p9, p)
+    p = tl.where(i == 10, p10, p)
+    p = tl.where(i == 11, p11, p)
+    p = tl.where(i == 12, p12, p)
+    p = tl.where(i == 13, p13, p)
+    p = tl.where(i == 14, p14, p)
+    return tl.where(i == 15, p15, p)
 
 
 @triton.jit
 def _sites_kernel(
-    a_anchor, b_anchor,       # a dev and a ref tensor of the launch: every site's tensors addressed from these
+    # each site's dev tensor, then its ref (a launch of fewer sites repeats site 0's)
+    a0_ptr, a1_ptr, a2_ptr, a3_ptr, a4_ptr, a5_ptr, a6_ptr, a7_ptr,
+    a8_ptr, a9_ptr, a10_ptr, a11_ptr, a12_ptr, a13_ptr, a14_ptr, a15_ptr,
+    b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr,
+    b8_ptr, b9_ptr, b10_ptr, b11_ptr, b12_ptr, b13_ptr, b14_ptr, b15_ptr,
     table_ptr,                # [n_sites + 1, NF] int64 (FIELDS), the last row a sentinel
     out_ptr,                  # float64: each site's [4, R] metrics at its out_off
-    n_sites,
+    n_sites,                  # at most SITES_PER_LAUNCH
     A_TWO: tl.constexpr, B_TWO: tl.constexpr, ROWS: tl.constexpr, BLOCK_X: tl.constexpr,
 ):
     """Many (dev, ref) sites in one launch, each row read where it lies (no stacking copy): the program's site is the
@@ -221,19 +246,25 @@ def _sites_kernel(
     hi = n_sites
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        go = tl.load(table_ptr + mid * NF + 16) <= pid
+        go = tl.load(table_ptr + mid * NF + 14) <= pid
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
     f = table_ptr + lo * NF
-    R, T, X = tl.load(f + 2), tl.load(f + 3), tl.load(f + 4)
-    rows = (pid - tl.load(f + 16)) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    R, T, X = tl.load(f), tl.load(f + 1), tl.load(f + 2)
+    rows = (pid - tl.load(f + 14)) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = rows < R
+    a_ptr = _pick(lo,
+                  a0_ptr, a1_ptr, a2_ptr, a3_ptr, a4_ptr, a5_ptr, a6_ptr, a7_ptr,
+                  a8_ptr, a9_ptr, a10_ptr, a11_ptr, a12_ptr, a13_ptr, a14_ptr, a15_ptr)
+    b_ptr = _pick(lo,
+                  b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr,
+                  b8_ptr, b9_ptr, b10_ptr, b11_ptr, b12_ptr, b13_ptr, b14_ptr, b15_ptr)
     num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad = _row_sums(
-        a_anchor + tl.load(f), b_anchor + tl.load(f + 1), rows, row_ok, T,
-        tl.load(f + 5), tl.load(f + 6), tl.load(f + 7), tl.load(f + 8), tl.load(f + 9),
-        tl.load(f + 10), tl.load(f + 11), tl.load(f + 12), tl.load(f + 13), tl.load(f + 14),
+        a_ptr, b_ptr, rows, row_ok, T,
+        tl.load(f + 3), tl.load(f + 4), tl.load(f + 5), tl.load(f + 6), tl.load(f + 7),
+        tl.load(f + 8), tl.load(f + 9), tl.load(f + 10), tl.load(f + 11), tl.load(f + 12),
         0, (X + BLOCK_X - 1) // BLOCK_X, X, A_TWO, B_TWO, ROWS, BLOCK_X)
-    _store_metrics(out_ptr + tl.load(f + 15), rows, row_ok, R, num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad)
+    _store_metrics(out_ptr + tl.load(f + 13), rows, row_ok, R, num_r, den_r, aa_r, ab_r, mx_r, a_bad, b_bad)
 
 
 # %%
@@ -342,33 +373,102 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     return dict(zip(METRICS, out.unbind(0)))
 
 
+_PLANS: dict = {}                    # the pairs' signature -> their _Plan (site_errors_sites)
+MAX_PLANS = 512
+
+
 def site_errors_sites(pairs: list) -> list[dict]:
     """`site_errors_fused` of many (dev, ref) pairs without stacking them: one `_sites_kernel` launch per group of
     pairs that share dtypes, block sizes and row layout, each row read in place and never split into pieces. The
     values of `site_errors_fused` pair by pair: bit for bit under the interpreter (whose plan never splits); on a GPU
     within float64 rounding (a row it would split, or the compiler contracting a multiply-add differently), and bit
-    for bit however the pairs are grouped."""
-    out: list = [None] * len(pairs)
-    groups: dict = {}
-    sms = 0 if INTERPRET else None
-    for i, (dev, ref) in enumerate(pairs):
-        a, b = _prepared(dev, ref)
-        S, T = b.shape[0], b.shape[1]
-        R = S * T
-        if R == 0:
-            out[i] = dict(zip(METRICS, torch.empty((4, S, T), dtype=torch.float64, device=b.device).unbind(0)))
-            continue
-        if sms is None:
-            sms = sm_count(b.device)
-        X = b.numel() // R
-        cfg = plan(R, X, sms)
-        a, *a_lay = _row_layout(a)
-        b, *b_lay = _row_layout(b)
-        key = (a.dtype, b.dtype, b.device, cfg["BLOCK_X"], cfg["ROWS"], cfg["num_warps"], a_lay[3], b_lay[3])
-        groups.setdefault(key, []).append((i, a, b, S, T, X, a_lay, b_lay))
-    for (_, _, device, block_x, rows, warps, a_two, b_two), items in groups.items():
-        _launch_sites(items, device, block_x, rows, warps, a_two, b_two, out)
-    return out
+    for bit however the pairs are grouped.
+
+    A layer's sites have the same shapes, strides and dtypes layer after layer and ubatch after ubatch, so how they
+    are grouped and cut (their `_Plan`) is kept per signature: a call then launches with the pairs' tensors and cuts
+    one result block (issue #18: building and uploading the tables per call was most of the host work of measuring
+    a 2.8B prefill at birth). Pairs that need a copy first (another device, a dtype the kernel does not read, a view
+    of three strided runs) get a plan for that call only."""
+    sig = tuple((d.shape, d.stride(), d.dtype, d.device, r.shape, r.stride(), r.dtype, r.device) for d, r in pairs)
+    kept = _PLANS.get(sig)
+    if kept is not None:
+        return kept.run(pairs)
+    devices: dict = {}
+    for i, (_, ref) in enumerate(pairs):
+        devices.setdefault(ref.device, []).append(i)
+    if len(devices) > 1:             # a placement over GPUs: each device's pairs by their own plan
+        out: list = [None] * len(pairs)
+        for idx in devices.values():
+            for i, e in zip(idx, site_errors_sites([pairs[i] for i in idx])):
+                out[i] = e
+        return out
+    ready = [_prepared(dev, ref) for dev, ref in pairs]
+    lays = [(_row_layout(a), _row_layout(b)) for a, b in ready]
+    ready = [(la[0], lb[0]) for la, lb in lays]
+    plan_ = _Plan(ready, [(la[1:], lb[1:]) for la, lb in lays])
+    if all(a.data_ptr() == d.data_ptr() and a.dtype == d.dtype and a.device == d.device and b.data_ptr() == r.data_ptr()
+           and b.dtype == r.dtype for (a, b), (d, r) in zip(ready, pairs)):     # nothing copied: keep it
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[sig] = plan_
+    return plan_.run(ready)
+
+
+class _Plan:
+    """How a list of (dev, ref) pairs, ready for the kernel, is measured: the launches (each at most
+    SITES_PER_LAUNCH like pairs: their indices, options and table, on the device from the first call on), and where
+    each pair's [4, S, T] metrics lie in the one result block. A call hands each launch its pairs' tensors."""
+
+    def __init__(self, ready: list, lays: list):
+        sms = 0 if INTERPRET else None
+        groups: dict = {}
+        self.shapes = [tuple(b.shape[:2]) for _, b in ready]
+        self.device = ready[0][1].device if ready else None
+        for i, ((a, b), (a_lay, b_lay)) in enumerate(zip(ready, lays)):
+            S, T = self.shapes[i]
+            if S * T == 0:
+                continue
+            sms = sm_count(b.device) if sms is None else sms
+            X = b.numel() // (S * T)
+            cfg = plan(S * T, X, sms)
+            key = (a.dtype, b.dtype, cfg["BLOCK_X"], cfg["ROWS"], cfg["num_warps"], a_lay[3], b_lay[3])
+            groups.setdefault(key, []).append((i, S * T, T, X, a.stride(0), a.stride(1), *a_lay[:3],
+                                               b.stride(0), b.stride(1), *b_lay[:3]))
+        self.launches, self.order, off = [], [], 0
+        for (_, _, block_x, rows, warps, a_two, b_two), items in groups.items():
+            for k in range(0, len(items), SITES_PER_LAUNCH):
+                table, first = [], 0
+                for i, R, *fields in items[k:k + SITES_PER_LAUNCH]:
+                    table.append([R, *fields, off, first])
+                    self.order.append((i, 4 * R))
+                    off += 4 * R
+                    first += cdiv(R, rows)
+                table.append([0] * (N_FIELDS - 1) + [1 << 62])     # the sentinel: starts past every program
+                idx = [it[0] for it in items[k:k + SITES_PER_LAUNCH]]
+                self.launches.append(dict(
+                    idx=idx + idx[:1] * (SITES_PER_LAUNCH - len(idx)), n=len(idx), grid=(first,),
+                    table=torch.tensor(table, dtype=torch.int64), meta=dict(A_TWO=a_two, B_TWO=b_two, ROWS=rows,
+                                                                           BLOCK_X=block_x, num_warps=warps)))
+        self.total = off
+
+    def run(self, pairs: list) -> list[dict]:
+        res = torch.empty(self.total, dtype=torch.float64, device=self.device) if self.total else None
+        for g in self.launches:
+            if g["table"].device != self.device:        # the first call: the table's one trip to the device
+                g["table"] = g["table"].to(self.device)
+            a = [pairs[i][0] for i in g["idx"]]
+            b = [pairs[i][1] for i in g["idx"]]
+            with _quiet():
+                _launch_table(g["grid"], (*a, *b, g["table"], res), (g["n"],), g["meta"])
+        out: list = [None] * len(pairs)
+        for i, (S, T) in enumerate(self.shapes):
+            if S * T == 0:
+                out[i] = dict(zip(METRICS, torch.empty((4, S, T), dtype=torch.float64,
+                                                       device=pairs[i][1].device).unbind(0)))
+        if res is not None:
+            for (i, _), part in zip(self.order, res.split([n for _, n in self.order])):
+                out[i] = dict(zip(METRICS, part.view(4, *self.shapes[i]).unbind(0)))
+        return out
 
 
 def _prepared(dev: torch.Tensor, ref: torch.Tensor):
@@ -390,31 +490,6 @@ def _prepared(dev: torch.Tensor, ref: torch.Tensor):
     if b.numel() == 0 and b.shape[0] * b.shape[1]:
         raise ValueError(f"site_errors: no elements per (s, t) (ref {list(ref.shape)}): max_abs is undefined")
     return a, b
-
-
-def _launch_sites(items: list, device, block_x: int, rows: int, warps: int, a_two: bool, b_two: bool, out: list):
-    """One _sites_kernel launch over a group: its table (copied to the device without a wait) and its output."""
-    a0, b0 = items[0][1], items[0][2]
-    table, off, first = [], 0, 0
-    for _, a, b, S, T, X, (a_X2, a_sx1, a_sx2, _), (b_X2, b_sx1, b_sx2, _) in items:
-        R = S * T
-        a_off, a_rem = divmod(a.data_ptr() - a0.data_ptr(), a.element_size())
-        b_off, b_rem = divmod(b.data_ptr() - b0.data_ptr(), b.element_size())
-        assert a_rem == b_rem == 0, "tensors of one dtype lie whole elements apart"
-        table.append([a_off, b_off, R, T, X,
-                      a.stride(0), a.stride(1), a_X2, a_sx1, a_sx2, b.stride(0), b.stride(1), b_X2, b_sx1, b_sx2,
-                      off, first])
-        off += 4 * R
-        first += cdiv(R, rows)
-    table.append([0] * (N_FIELDS - 1) + [1 << 62])          # the sentinel: starts past every program
-    t = torch.tensor(table, dtype=torch.int64)
-    t = t.to(device) if INTERPRET else t.pin_memory().to(device, non_blocking=True)
-    res = torch.empty(off, dtype=torch.float64, device=device)
-    with _quiet():
-        _launch_table((first,), (a0, b0, t, res), (len(items),),
-                      dict(A_TWO=a_two, B_TWO=b_two, ROWS=rows, BLOCK_X=block_x, num_warps=warps))
-    for (i, _, _, S, T, *_), row in zip(items, table):
-        out[i] = dict(zip(METRICS, res[row[15]:row[15] + 4 * S * T].view(4, S, T).unbind(0)))
 
 
 def _quiet():

@@ -45,6 +45,18 @@ def test_paths():
     assert path_of(node("MUL_MAT", "CUDA0", 512, 0, "xz", 1)).startswith("tf32 (cuBLAS")
 
 
+def test_cublas_is_fp32_when_the_override_was_set_as_cuda_started(monkeypatch):
+    """--fp32-everywhere (NVIDIA_TF32_OVERRIDE=0 before llama.cpp starts its backends): cuBLAS nodes are FP32 and
+    judged against the FP32 floor (on the H200 their local errors are; they read TF32 before); mmf has no switch."""
+    from mamba_debug.sides.llamacpp import local
+    monkeypatch.setitem(local.CUBLAS_FP32, "at_init", True)
+    assert path_of(node("MUL_MAT", "CUDA0", 512, 0, "xz", 1)) == "fp32 (cuBLAS, NVIDIA_TF32_OVERRIDE=0)"
+    assert path_of(node("MUL_MAT", "CUDA0", 8, 0, "xz", 1)).startswith("tf32 (mmf")
+    le = LocalErrors(10.0)
+    matmul_with_error(le, node("MUL_MAT", "CUDA0", 512, 0, "xz", 14), 3e-4)     # a TF32-sized error: now a fault
+    assert not le.reduced and le.fault is not None and le.fault["site"] == "xz"
+
+
 def test_tf32_error_within_its_floor_is_precision_not_a_bug():
     local = LocalErrors(10.0)
     matmul_with_error(local, node("MUL_MAT", "CUDA0", 512, 0, "xz", 14), 3e-4)

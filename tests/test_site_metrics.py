@@ -309,6 +309,39 @@ def test_a_gpu_comparison_measured_at_birth_or_alone_gives_the_same_result(monke
                 assert_same(res.errors[k], e)
 
 
+def test_a_layers_plan_is_kept_and_follows_its_tensors():
+    """A layer's pairs have the same signature layer after layer: their plan is built once and kept, each call reads
+    its own tensors (another layer's, at other addresses: the launch's arguments), the tables go to the device once,
+    and pairs that need a copy first (an integer dtype) are not kept."""
+    mod = metrics._fused_module(interpret=DEVICE != "cuda")
+
+    def layer(seed):          # fresh tensors, the same shapes, strides and dtypes: a strided slice, a state at the end
+        ref = rand(2, 3, 40, seed=seed).to(TORCH_DEVICE)
+        wide = rand(2, 3, 64, seed=seed + 1, dtype=torch.float32).to(TORCH_DEVICE)
+        state = rand(2, 1, 40, 4, seed=seed + 2).to(TORCH_DEVICE)
+        return [(near(ref, seed=seed), ref), (wide[..., 8:24] + 1e-3, wide[..., 8:24]), (near(state), state)]
+    mod._PLANS.clear()
+    first, second = layer(1), layer(5)
+    got = [mod.site_errors_sites(first), mod.site_errors_sites(second)]
+    assert len(mod._PLANS) == 1
+    kept = next(iter(mod._PLANS.values()))
+    for pairs, errs in zip((first, second), got):
+        for (dev, ref), e in zip(pairs, errs):
+            alone = mod.site_errors_fused(dev, ref)
+            if DEVICE == "cuda":
+                assert_same(e, alone)
+            else:
+                assert all(torch.equal(e[m], alone[m]) for m in METRICS)
+    tables = [g["table"] for g in kept.launches]
+    assert all(t.device.type == TORCH_DEVICE for t in tables)
+    mod.site_errors_sites(first)                       # another layer's tensors: the same tables, nothing uploaded
+    assert all(g["table"] is t for g, t in zip(kept.launches, tables))
+    ints = [(torch.arange(240, device=TORCH_DEVICE).reshape(2, 3, 40), rand(2, 3, 40).to(TORCH_DEVICE))]
+    e = mod.site_errors_sites(ints)[0]
+    assert len(mod._PLANS) == 1
+    assert_same(e, _site_errors_torch(*ints[0]))
+
+
 def test_many_sites_in_one_launch_read_in_place_give_each_pairs_values():
     """site_errors_sites: pairs of several dtypes, layouts (contiguous, a transposed view, a slice of the tokens),
     sizes (short rows packed, a long row), NaN/Inf and an empty ubatch, in few launches and without stacking copies:

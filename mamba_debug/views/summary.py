@@ -167,7 +167,7 @@ def summary(res: CompareResult) -> str:
 
 
 def engine_local(res: CompareResult):
-    """The local errors an engine traced from outside recorded (llama.cpp's `--local`, always on CUDA, or the replay
+    """The local errors an engine traced from outside recorded (llama.cpp's `--local`, or the replay
     that refines a divergence), or None: what the node made itself, apart from what it inherited."""
     extra = res.sides["device"].extra or {}
     return extra.get("local") or extra.get("local_replay")

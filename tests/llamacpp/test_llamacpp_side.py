@@ -201,6 +201,32 @@ def test_fault_born_in_a_node_without_reference_is_named_by_its_local_error(subj
     assert (clean["layer"], clean["site"]) == (10, "SSM_CONV") and "by" not in clean
 
 
+def test_a_cuda_divergence_is_replayed_over_the_whole_schedule(subject, monkeypatch):
+    """On CUDA local errors are measured only when the verdict needs them: a divergence replays every ubatch of every
+    group of sequences with them (a fault in a later ubatch must not hide behind an excused TF32 drift), checked
+    bit for bit; the CPU build stands in for CUDA here (same replay, every node FP32)."""
+    monkeypatch.setattr(lside, "_replay_whole", lambda s: True)
+
+    def hook(node, a, u, first_seq):
+        if node.name == "embd" and u == 1 and first_seq == 0:
+            flat = a.reshape(-1)
+            flat[3] += 0.5 + abs(flat[3])
+    res = compare(subject, 2, 4, fault=hook)       # -ub 2, 4 sequences: two groups (0-2, then 3), 14+2 ubatches
+    rep = res.sides["device"].extra["local_replay"]
+    n_ubatches = sum(len({i.ubatch for i in res.token_infos(g)}) for g in (0, 3))
+    assert rep["until_ubatch"] is None and rep["same_bits"] and rep["ubatches"] == n_ubatches, rep
+    assert rep["first_over"]["site"] == "GET_ROWS" and "local" in res.sides["device"].extra
+    fd = res.first_divergence
+    assert (fd["seq"], fd["layer"], fd["site"]) == (0, None, "GET_ROWS") and "RMS_NORM" in fd["by"], fd
+
+
+def test_a_clean_run_needs_no_local_errors(subject, monkeypatch):
+    """No divergence: nothing replayed, on CUDA as on the CPU (the run asked llama.cpp for its mapped nodes only)."""
+    monkeypatch.setattr(lside, "_replay_whole", lambda s: True)
+    extra = compare(subject, 2, 1).sides["device"].extra
+    assert "local_replay" not in extra and "local" not in extra
+
+
 def test_a_smaller_last_group_runs_its_own_ubatches(subject):
     """-ub 2 with 4 sequences: sequences 0-2 share ubatches of one token each, sequence 3 then runs alone with two
     tokens per ubatch (llama.cpp's equal split of what is left); each sequence's schedule is its own."""

@@ -120,10 +120,17 @@ def _fits(device, nbytes: int) -> bool:
     return nbytes + GPU_MARGIN <= free
 
 
+# Whether cuBLAS runs FP32 in this process: NVIDIA_TF32_OVERRIDE was "0" when the first llama.cpp library started
+# its backends here (side._load records it; the CUDA libraries read it there, so setting it later changes nothing).
+# None until then. Before, every cuBLAS node read TF32, so a --fp32-everywhere run was judged as a TF32 one.
+CUBLAS_FP32: dict = {"at_init": None}
+
+
 def path_of(node) -> str:
     """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32; on CUDA
     an f32 MUL_MAT of <= 3 columns runs the FP32 vector kernel, 4..16 columns the TF32 mmf tile kernel, more cuBLAS
-    on a TF32 handle."""
+    on a TF32 handle (FP32 when NVIDIA_TF32_OVERRIDE=0 was set as CUDA started: --fp32-everywhere; measured on the
+    H200, 2.8B shape: local errors of every cuBLAS node within the FP32 floor, 3e-4 without it)."""
     if not node.backend.startswith("CUDA") or node.backend == "CUDA_Host" or node.op != "MUL_MAT":
         return "fp32"
     cols = node.ne[1]
@@ -131,6 +138,8 @@ def path_of(node) -> str:
         return "fp32 (mmvf)"
     if cols <= 16 and node.ne[0] % 32 == 0:
         return "tf32 (mmf, no switch)"
+    if CUBLAS_FP32["at_init"]:
+        return "fp32 (cuBLAS, NVIDIA_TF32_OVERRIDE=0)"
     return "tf32 (cuBLAS; NVIDIA_TF32_OVERRIDE=0 makes it fp32)"
 
 

@@ -25,7 +25,7 @@ from ..base import StepOutput
 from .lib import EvalCallback, LogCallback, load_library
 from .observe import Tracer, graph_nodes
 from .reference import derived_sites
-from .local import LocalErrors, path_of
+from .local import CUBLAS_FP32, LocalErrors, path_of
 from .precision import judge, refine
 from .maps import LAYER_SITES as OTHER_SITES
 from .maps import NOT_OBSERVED, layer_kinds
@@ -73,8 +73,9 @@ class LlamaCppSide:
         self.gguf = gguf_for(model)
         self.u = -1
         self.n_seqs, self.n_slots, self.first_seq = None, None, 0
-        # on CUDA the local errors are what tells TF32 precision from a fault (precision.py): always measured there
-        self.local = LocalErrors(s.k_floor, device=_local_device(s)) if s.local or s.device == "cuda" else None
+        # --local: measured during the run. Otherwise only when the verdict needs them (judge): reading every node
+        # and recomputing it in float64 made a clean CUDA run 400x its untraced time (issue #18, goal 5)
+        self.local = LocalErrors(s.k_floor, device=_local_device(s)) if s.local else None
         self.kinds = layer_kinds(self.cfg)
         self.tracer = None
         self._load()
@@ -82,6 +83,8 @@ class LlamaCppSide:
     # -- setup ------------------------------------------------------------------------------------
     def _load(self):
         lib = self.lib
+        if CUBLAS_FP32["at_init"] is None:      # the first start of the backends in this process: what cuBLAS reads
+            CUBLAS_FP32["at_init"] = os.environ.get("NVIDIA_TF32_OVERRIDE") == "0"
         lib.llama_backend_init()
         if not os.environ.get("MAMBA_DEBUG_LLAMA_LOG"):
             quiet = LogCallback(lambda level, text, ud: None)
@@ -245,37 +248,53 @@ class LlamaCppSide:
         return out
 
     def judge(self, res):
-        """(first_divergence, precision): the precision-aware verdict (precision.py). A divergence on a run without
-        local errors is replayed with them up to its ubatch (the CPU backend is deterministic: the observer effect
-        check shows the same bits), to find a fault born in a node that has no reference value."""
+        """(first_divergence, precision): the precision-aware verdict (precision.py). A run without local errors
+        (no --local) that diverged is replayed with them (the backend is deterministic for one schedule: the replay's
+        logits are checked bit for bit against the traced run's):
+        - on the CPU up to the divergence's ubatch, to find a fault born in a node that has no reference value;
+        - on CUDA the whole schedule: TF32 matmuls drift past the float32 threshold on a clean run, and only every
+          node's local error tells that from a fault, in any ubatch (a later fault must not hide behind an excused
+          drift). A run that never passed its thresholds needs no local errors: it is clean either way."""
         if self.local is not None:
             fd, prec = judge(res, self.local)
             return refine(res, fd, self.local) if prec is None and not self.local.reduced else fd, prec
         fd = res.first_divergence
         if fd is None:
             return fd, None
+        whole = _replay_whole(self.s)
         self.local = LocalErrors(self.s.k_floor, device=_local_device(self.s))
+        t0 = time.perf_counter()
         try:
-            same = self._replay_until(fd)
-            self.info.extra["local_replay"] = {"until_ubatch": fd["ubatch"], "same_bits": same, **self.local.to_dict()}
-            return (refine(res, fd, self.local) if same else fd), None
+            same = self._replay(None if whole else fd)
+            self.info.extra["local_replay"] = {
+                "until_ubatch": None if whole else fd["ubatch"], "same_bits": same,
+                "ubatches": len({key[:2] for key in self.local.index_of}),     # (ubatch, group) pairs replayed
+                "seconds": round(time.perf_counter() - t0, 3), **self.local.to_dict()}
+            if not same:                # another run's local errors would not explain this one
+                return fd, None
+            if whole:
+                self.info.extra["local"] = self.local.to_dict()
+                fd, prec = judge(res, self.local)
+                return refine(res, fd, self.local) if prec is None and not self.local.reduced else fd, prec
+            return refine(res, fd, self.local), None
         finally:
             self.local = None
 
-    def _replay_until(self, fd: dict):
-        """The schedule again, traced, from the start of fd's group of sequences up to fd's ubatch; whether every
-        replayed ubatch gave the traced run's logits bit for bit."""
-        u, same = -1, True
+    def _replay(self, fd: Optional[dict]):
+        """The schedule again, traced: from the start of fd's group of sequences up to fd's ubatch, or every group
+        to the end (fd None); whether every replayed ubatch gave the traced run's logits bit for bit."""
+        u, same, group = -1, True, None
         for first_seq, tokens, logits, _ in self._history:
-            if not first_seq <= fd["seq"] < first_seq + tokens.shape[0]:
+            if fd is not None and not first_seq <= fd["seq"] < first_seq + tokens.shape[0]:
                 continue
-            u += 1
+            u = 0 if first_seq != group else u + 1
             if u == 0:
+                group = first_seq
                 self.lib.llama_memory_clear(self.mem, True)
                 self.first_seq, self.n_seqs, self.pos = first_seq, tokens.shape[0], [0] * tokens.shape[0]
             self.u = u
             same &= torch.equal(self._decode(tokens, trace=True)[0], logits)   # the replay must be the same run
-            if u == fd["ubatch"]:
+            if fd is not None and u == fd["ubatch"]:
                 break
         return same
 
@@ -376,6 +395,12 @@ class LlamaCppSide:
         return out
 
 
+def _replay_whole(s) -> bool:
+    """Whether a divergence is replayed over the whole schedule (CUDA: the precision verdict needs every ubatch's
+    local errors) or up to its own ubatch (CPU: every node FP32, the replay only names the node where it is born)."""
+    return s.device == "cuda"
+
+
 def _local_device(s) -> Optional[str]:
     """Where MUL_MAT's local errors are recomputed: on the GPU for a CUDA run when torch sees one, else numpy."""
     return "cuda" if s.device == "cuda" and torch.cuda.is_available() else None
@@ -422,9 +447,13 @@ def _fp32_everywhere(s: RunSettings) -> dict:
     if not s.fp32_everywhere:
         return {"asked": False}
     os.environ["NVIDIA_TF32_OVERRIDE"] = "0"            # cuBLAS: FP32 instead of TF32 (read when CUDA starts)
-    return {"asked": True, "set": ["NVIDIA_TF32_OVERRIDE=0", "op_offload=false"],
-            "not_switchable": ["CUDA mmf tile kernel (f32 matmuls of 4..16 columns): TF32 MMA in inline PTX, no switch"
-                               "; keep -ub per sequence <= 3 to avoid it"]}
+    out = {"asked": True, "set": ["NVIDIA_TF32_OVERRIDE=0", "op_offload=false"],
+           "not_switchable": ["CUDA mmf tile kernel (f32 matmuls of 4..16 columns): TF32 MMA in inline PTX, no switch"
+                              "; keep -ub per sequence <= 3 to avoid it"]}
+    if CUBLAS_FP32["at_init"] is False:                 # the nodes' paths say so too (local.path_of)
+        out["not_applied"] = ("cuBLAS stays TF32: llama.cpp's backends started earlier in this process without "
+                              "NVIDIA_TF32_OVERRIDE=0 (run --fp32-everywhere in a new process)")
+    return out
 
 
 def _short(a) -> str:
