@@ -682,7 +682,7 @@ def main(argv=None):
 
     for r in rows:
         r.setdefault("date", TODAY)
-    rows = carried_rows(out_dir / "gpu_e2e.json", parts, args.small) + rows
+    rows = carried_rows(out_dir / "gpu_e2e.json", parts, args.small or args.only) + rows
     out = {"date": TODAY, "machine": f"{platform.node()}, {os.cpu_count()} cores", "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if CUDA else None, "model": repr(model), "config": cfg.to_dict(),
            "prompt_tokens": n_tok, "n_gen": n_gen, "trace_ubatch": trace_ub, "e2e_ubatch": e2e_ub,

@@ -11,13 +11,15 @@ import sys
 def main(path):
     ev = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not gpu:
+        sys.exit(f"{path}: no GPU activity in this trace")
     busy, gaps, end = 0.0, [], None
     for s, f in gpu:
         if end is not None and s > end:
             gaps.append(s - end)
         busy += max(0.0, f - max(s, end or s))
         end = f if end is None else max(end, f)
-    span = gpu[-1][1] - gpu[0][0]
+    span = end - gpu[0][0]
     print(f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, {len(gaps)} gaps, "
           f"sum {sum(gaps) / 1e3:.1f} ms, >50us: {sum(g for g in gaps if g > 50) / 1e3:.1f} ms")
     for cat in ("cuda_runtime", "cuda_driver", "cpu_op"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from mamba_debug.sides.llamacpp.local import TF32_LIMIT, LocalErrors, path_of
@@ -14,6 +15,13 @@ from mamba_debug.sides.llamacpp.precision import judge
 from mamba_debug.trace import TokenInfo
 
 DRIFT = {"token": 0, "seq": 0, "layer": 0, "site": "xz", "ubatch": 0, "error": 3e-4, "threshold": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _cublas_path_unknown(monkeypatch):
+    """Whether cuBLAS ran FP32 is process state (the first CUDA run records it): each test starts without it."""
+    from mamba_debug.sides.llamacpp import local
+    monkeypatch.setitem(local.CUBLAS_FP32, "at_init", None)
 
 
 def node(op, backend, cols, layer, site, index):

@@ -312,7 +312,7 @@ def test_a_gpu_comparison_measured_at_birth_or_alone_gives_the_same_result(monke
 def test_a_layers_plan_is_kept_and_follows_its_tensors():
     """A layer's pairs have the same signature layer after layer: their plan is built once and kept, each call reads
     its own tensors (another layer's, at other addresses: the launch's arguments), the tables go to the device once,
-    and pairs that need a copy first (an integer dtype) are not kept."""
+    and pairs that need a copy first (an integer dtype) are copied on each call, then measured by their kept plan."""
     mod = metrics._fused_module(interpret=DEVICE != "cuda")
 
     def layer(seed):          # fresh tensors, the same shapes, strides and dtypes: a strided slice, a state at the end
@@ -324,7 +324,8 @@ def test_a_layers_plan_is_kept_and_follows_its_tensors():
     first, second = layer(1), layer(5)
     got = [mod.site_errors_sites(first), mod.site_errors_sites(second)]
     assert len(mod._PLANS) == 1
-    kept = next(iter(mod._PLANS.values()))
+    kept, as_is = next(iter(mod._PLANS.values()))
+    assert as_is
     for pairs, errs in zip((first, second), got):
         for (dev, ref), e in zip(pairs, errs):
             alone = mod.site_errors_fused(dev, ref)
@@ -337,9 +338,10 @@ def test_a_layers_plan_is_kept_and_follows_its_tensors():
     mod.site_errors_sites(first)                       # another layer's tensors: the same tables, nothing uploaded
     assert all(g["table"] is t for g, t in zip(kept.launches, tables))
     ints = [(torch.arange(240, device=TORCH_DEVICE).reshape(2, 3, 40), rand(2, 3, 40).to(TORCH_DEVICE))]
-    e = mod.site_errors_sites(ints)[0]
-    assert len(mod._PLANS) == 1
-    assert_same(e, _site_errors_torch(*ints[0]))
+    for k in range(2):                                 # copied to float64 each call, measured by a kept plan
+        assert_same(mod.site_errors_sites(ints)[0], _site_errors_torch(*ints[0]))
+        assert len(mod._PLANS) == 2 and not mod._PLANS[next(reversed(mod._PLANS))][1]
+        ints = [(ints[0][0] + 1, ints[0][1])]
 
 
 def test_many_sites_in_one_launch_read_in_place_give_each_pairs_values():

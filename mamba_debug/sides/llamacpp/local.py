@@ -120,9 +120,10 @@ def _fits(device, nbytes: int) -> bool:
     return nbytes + GPU_MARGIN <= free
 
 
-# Whether cuBLAS runs FP32 in this process: NVIDIA_TF32_OVERRIDE was "0" when the first llama.cpp library started
-# its backends here (side._load records it; the CUDA libraries read it there, so setting it later changes nothing).
-# None until then. Before, every cuBLAS node read TF32, so a --fp32-everywhere run was judged as a TF32 one.
+# Whether llama.cpp's cuBLAS runs FP32 in this process: NVIDIA_TF32_OVERRIDE was "0" when its first CUDA run loaded
+# (side._load records it). ggml creates its cuBLAS handles at its first CUDA matmul and keeps them, so a later
+# change is taken not to apply (measured on the H200 for a fresh process only: set before the first CUDA run, every
+# cuBLAS node's local error is FP32-sized). None until then. Before, a --fp32-everywhere run was judged as TF32.
 CUBLAS_FP32: dict = {"at_init": None}
 
 
