@@ -51,8 +51,14 @@ def fused_site_errors(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     return _fused_module(interpret=not ref.is_cuda).site_errors_fused(dev, ref, config)
 
 
-@functools.lru_cache(maxsize=None)
 def _fused_module(interpret: bool):
+    """_site_metrics.py executed for one mode, once per process: one copy per mode however it is asked for (the
+    cache below would keep f(False) and f(interpret=False) apart: two copies, each with its own plans and compiles)."""
+    return _fused_copy(bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_copy(interpret: bool):
     """_site_metrics.py executed for one mode, once per process (like a kernel plug-in, mamba_debug.plugins):
     triton.jit reads TRITON_INTERPRET when the file runs, so it is set for that moment and then restored.
     Triton fixes its own library's mode at its first import. The interpreted copy works with either, so it imports

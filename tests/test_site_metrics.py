@@ -423,6 +423,7 @@ assert all(torch.allclose(got[m], want[m], rtol=1e-12, atol=0) for m in want), (
 assert "TRITON_INTERPRET" not in os.environ
 cuda = _fused_module(False)
 assert not cuda.INTERPRET and _fused_module(True).INTERPRET and "TRITON_INTERPRET" not in os.environ
+assert _fused_module(interpret=False) is cuda             # one copy per mode, however it is asked for
 try:
     cuda.site_errors_fused(dev, ref)
 except ValueError as exc:
