@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, cdiv as _cdiv, next_pow2 as _pow2, sm_count
+from mamba_debug.triton_launch import Launch, cdiv as _cdiv, helper_jit, next_pow2 as _pow2, sm_count
 
 NAME = "triton"
 DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
@@ -49,12 +49,7 @@ elif not isinstance(tl.standard._sum_combine, triton.runtime.JITFunction):
                       "interpreted and cannot be compiled for cuda; run the cuda kernels in another process")
 
 
-def _device_function(fn):
-    """@triton.jit for a helper called from the kernels; under the interpreter the plain function, same source.
-
-    The interpreter re-patches triton.language on every call of a jit function (about 1 ms, more than the few
-    operations of a helper), while the launching kernel has patched it already."""
-    return fn if INTERPRET else triton.jit(fn)
+_device_function = helper_jit(INTERPRET)     # the helpers below: plain functions under the interpreter
 
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)   # as mamba_debug.ops and llama.cpp: softplus(dt) = dt above it
@@ -461,6 +456,7 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
 # Triton's own per-call host work (binding ~50 arguments, its specialization key) done once per argument key.
 _launch_conv, _launch_scan, _launch_tiled = (Launch(k, INTERPRET) for k in (
     _ssm_conv_kernel, _ssm_scan_kernel, _ssm_scan_tiled_kernel))
+
 
 def _empty(shape, like: torch.Tensor) -> torch.Tensor:
     """Every output is allocated here (a test fills them with NaN to prove each element gets written)."""

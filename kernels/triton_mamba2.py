@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, next_pow2
+from mamba_debug.triton_launch import Launch, helper_jit, next_pow2
 
 NAME = "triton_mamba2"
 DESCRIPTION = "Triton ssd_scan (chunked SSD prefill, recurrent decode) and grouped gated RMSNorm for Mamba-2"
@@ -33,12 +33,10 @@ if INTERPRET:
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
-def _device_function(fn):
-    """@triton.jit for a helper; under the interpreter the plain function (see kernels/triton.py: the interpreter
-    re-patches triton.language on every call of a jit function, about 1 ms, which a per-token helper paid per token).
-    For the same reason the kernels sum with tl.reduce / tl.associative_scan and the standard sum combine (which the
-    interpreter runs as numpy) instead of tl.sum / tl.cumsum (jit functions): the same operations when compiled."""
-    return fn if INTERPRET else triton.jit(fn)
+# Helpers are plain functions under the interpreter (triton_launch.helper_jit). For the same reason the kernels sum
+# with tl.reduce / tl.associative_scan and the standard sum combine (which the interpreter runs as numpy) instead of
+# tl.sum / tl.cumsum (jit functions): the same operations when compiled.
+_device_function = helper_jit(INTERPRET)
 
 
 @_device_function

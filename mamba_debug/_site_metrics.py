@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, cdiv, next_pow2, sm_count
+from mamba_debug.triton_launch import Launch, cdiv, helper_jit, next_pow2, sm_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -46,10 +46,7 @@ elif not isinstance(tl.standard._sum_combine, triton.runtime.JITFunction):
                       "process started without TRITON_INTERPRET=1")
 
 
-def _device_function(fn):
-    """@triton.jit for a helper called from the kernels; under the interpreter the plain function (the interpreter
-    re-patches triton.language on every call of a jit function, about 1 ms)."""
-    return fn if INTERPRET else triton.jit(fn)
+_device_function = helper_jit(INTERPRET)     # the helpers below: plain functions under the interpreter
 
 
 INF = tl.constexpr(float("inf"))
@@ -358,9 +355,7 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     chunk = cdiv(cdiv(X, split), block_x) * block_x
     split = cdiv(X, chunk)         # no empty piece
     part = out if split == 1 else torch.empty((N_PARTS, split, R), dtype=torch.float64, device=b.device)
-    guard = (torch.cuda.device(b.device) if not INTERPRET and b.device.index is not None
-             and b.device.index != torch.cuda.current_device() else contextlib.nullcontext())
-    with guard, _quiet():
+    with _on(b.device), _quiet():
         _launch_rows((cdiv(R, rows), split), (a, b, out, part),
                      (R, T, X, chunk, split, a.stride(0), a.stride(1), a_X2, a_sx1, a_sx2,
                       b.stride(0), b.stride(1), b_X2, b_sx1, b_sx2),
@@ -452,10 +447,7 @@ class _Plan:
 
     def run(self, pairs: list) -> list[dict]:
         res = torch.empty(self.total, dtype=torch.float64, device=self.device) if self.total else None
-        guard = (torch.cuda.device(self.device) if not INTERPRET and self.device is not None
-                 and self.device.index is not None and self.device.index != torch.cuda.current_device()
-                 else contextlib.nullcontext())
-        with guard, _quiet():
+        with _on(self.device), _quiet():
             for g in self.launches:
                 if g["table"].device != self.device:    # the first call: the table's one trip, without a wait
                     t = g["table"]
@@ -493,6 +485,13 @@ def _prepared(dev: torch.Tensor, ref: torch.Tensor):
     if b.numel() == 0 and b.shape[0] * b.shape[1]:
         raise ValueError(f"site_errors: no elements per (s, t) (ref {list(ref.shape)}): max_abs is undefined")
     return a, b
+
+
+def _on(device):
+    """Launches on `device` when it is a GPU other than the current one (Triton launches on the current device)."""
+    if INTERPRET or device is None or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _quiet():

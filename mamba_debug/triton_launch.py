@@ -5,8 +5,8 @@ alignment of each pointer, value class of each integer), looks the compiled kern
 the H200 machine that is 80-150 us of host time for a kernel with ~50 arguments (benchmarks/README.md, eighth
 session): a decode step that runs for 2 us on the GPU took 150 us called from Python.
 
-`Launch(kernel, interpret)(grid, tensors, scalars, meta)` does the same launch. Its first call with a given key goes through Triton's own
-path (compiling if needed) and keeps the compiled kernel; later calls with that key call the compiled kernel's
+`Launch(kernel, interpret)(grid, tensors, scalars, meta)` does the same launch. Its first call with a given key goes
+through Triton's own path (compiling if needed) and keeps the compiled kernel; later calls with that key call the compiled kernel's
 launcher directly, as Triton itself does after its lookup. The key is finer than Triton's, so a kept kernel is
 always the one Triton would pick:
 * every integer argument by value (Triton keys on value classes: 1, multiple of 16, 32 or 64 bits),
@@ -47,6 +47,17 @@ def sm_count(device=None) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def helper_jit(interpret: bool):
+    """The decorator of a kernel file's helper functions: triton.jit when compiled; under the interpreter the plain
+    function, same source. The interpreter re-patches triton.language on every call of a jit function (about 1 ms,
+    more than a helper's few operations, paid per token by a per-token helper); the launching kernel has patched it
+    already. Applied while the file is executed, so triton.jit sees that moment's TRITON_INTERPRET."""
+    if interpret:
+        return lambda fn: fn
+    import triton  # noqa: PLC0415 (a process that never compiles need not import it here)
+    return triton.jit
 
 
 def _hooked(hook) -> bool:

@@ -259,8 +259,7 @@ class LlamaCppSide:
         error never reaches a compared site past its threshold (a state copy in the last ubatch) is reported only
         with --local, which always-on local errors on CUDA used to report at 130-400x the untraced time."""
         if self.local is not None:
-            fd, prec = judge(res, self.local)
-            return refine(res, fd, self.local) if prec is None and not self.local.reduced else fd, prec
+            return self._verdict(res)
         fd = res.first_divergence
         if fd is None:
             return fd, None
@@ -277,11 +276,15 @@ class LlamaCppSide:
                 return fd, None
             if whole:
                 self.info.extra["local"] = self.local.to_dict()
-                fd, prec = judge(res, self.local)
-                return refine(res, fd, self.local) if prec is None and not self.local.reduced else fd, prec
+                return self._verdict(res)
             return refine(res, fd, self.local), None
         finally:
             self.local = None
+
+    def _verdict(self, res):
+        """The verdict from this run's local errors: precision.judge, then (no reduced-precision node) refine."""
+        fd, prec = judge(res, self.local)
+        return refine(res, fd, self.local) if prec is None and not self.local.reduced else fd, prec
 
     def _replay(self, fd: Optional[dict]):
         """The schedule again, traced: from the start of fd's group of sequences up to fd's ubatch, or every group
