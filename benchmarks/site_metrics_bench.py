@@ -169,8 +169,67 @@ def bench_rows(date: str, T: int = 512, reps: int = 20, calls: int = 200, sweep:
             print(f"  {what:42s} {rows[-1]['dev']:>7s} vs {rows[-1]['ref']:7s} torch {t_torch * 1e6:9.1f} us  "
                   f"fused {t_fused * 1e6:8.1f} us  {nbytes / t_fused / 1e9:7.1f} GB/s  {'ok' if ok else 'MISMATCH'}",
                   flush=True)
+    if CUDA:
+        rows += layer_rows(date, T, reps, flush)
     if sweep and CUDA:
         rows += sweep_rows(date, T, reps, flush, sms)
+    return rows
+
+
+def kernel_time(fn, reps: int, flush) -> float:
+    """GPU seconds of fn's kernels alone: the host enqueues them while the GPU sleeps (~2 ms, timed alone and
+    subtracted), so the host's own work per call (a layer's 17 pairs: signature, launches, views) is not counted."""
+    def timed(f):
+        f()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            flush_l2(flush)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(4_000_000)
+            f()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+    return timed(fn) - timed(lambda: None)
+
+
+def layer_pairs(T: int, seed: int) -> dict:
+    """One 2.8B layer's sites at birth, as the engine lays them out (x, z halves of xz; B, C slices of x_proj's
+    output), float32, the per-token states and the states at the ubatch's end included."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, device="cuda")  # noqa: E731
+    xz, xp = r(1, T, 2 * D), r(1, T, 160 + 2 * N)
+    return dict(xz=xz, x=xz[..., :D], z=xz[..., D:], conv=r(1, T, D), conv_act=r(1, T, D), dt=r(1, T, D),
+                B=xp[..., 160:160 + N], C=xp[..., 160 + N:], y_scan=r(1, T, D), gate=r(1, T, D), y=r(1, T, D),
+                out=r(1, T, E), norm=r(1, T, E), resid=r(1, T, E), states=r(1, T, D, N),
+                ssm_state=r(1, D, N)[:, None], conv_state=r(1, 3, D)[:, None])
+
+
+def layer_rows(date, T, reps, flush) -> list[dict]:
+    """A layer's 17 pairs through `site_errors_sites` (one launch of the sites kernel, one combine), GPU time only:
+    the plan's cut against other steps x warps for the rows the plan gives 512-element steps."""
+    mod = _fused_module(interpret=False)
+    a, b = layer_pairs(T, 1), layer_pairs(T, 2)
+    pairs = [(a[k], b[k]) for k in a]
+    nbytes = sum(x.numel() * x.element_size() * 2 for x, _ in pairs)
+    plan, rows = mod.plan, []
+    for block_x, warps in (None, None), (1024, 8), (1024, 4), (512, 8):
+        if block_x:
+            mod.plan = lambda R, X, sms=0, bx=block_x, w=warps: (
+                lambda c: dict(c, BLOCK_X=bx, num_warps=w) if c["BLOCK_X"] == 512 else c)(plan(R, X, sms))
+        try:
+            mod._PLANS.clear()
+            t = kernel_time(lambda: mod.site_errors_sites(pairs), reps, flush)
+        finally:
+            mod.plan = plan
+        what = "plan" if block_x is None else f"steps of {block_x} over {warps} warps"
+        rows.append({"date": date, "part": "layer", "what": f"a 2.8B layer's 17 sites at birth, T={T}: {what}",
+                     "bytes": nbytes, "fused_us": t * 1e6, "fused_gb_s": nbytes / t / 1e9, "ok": True})
+        print(f"  layer, {what:28s} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.1f} GB/s", flush=True)
+    mod._PLANS.clear()
     return rows
 
 
@@ -213,6 +272,11 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['fused_gb_s']:.0f} | {r['host_us_per_call_torch']:.0f} / {r['host_us_per_call_fused']:.0f} | "
                      f"{mb(r['extra_gpu_bytes_torch'])} / {mb(r['extra_gpu_bytes_fused'])} | "
                      f"{r['max_rel_diff']:.1e} | {'yes' if r['ok'] else 'NO'} | {r['plan']} |")
+    layer = [r for r in rows if r["part"] == "layer"]
+    if layer:
+        lines += ["", "| one layer's sites in one call (GPU time only) | MB read | us | GB/s |", "|---|---|---|---|"]
+        lines += [f"| {r['what']} | {r['bytes'] / 1e6:.0f} | {r['fused_us']:.1f} | {r['fused_gb_s']:.0f} |"
+                  for r in layer]
     cuts = [r for r in rows if r["part"] == "cut"]
     if cuts:
         lines += ["", "| cut sweep (float32 vs float64) | BLOCK_X | warps | SPLIT | us | GB/s | ok |",

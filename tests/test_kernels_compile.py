@@ -43,8 +43,9 @@ build(k2._ssd_chunked_kernel, dict(BLOCK_Q=64, BLOCK_P=64, BLOCK_N=128))
 build(k2._gated_norm_kernel, dict(BLOCK=1024), floats=("eps",))
 f64 = {"b_ptr": "*fp64", "out_ptr": "*fp64", "part_ptr": "*fp64", "table_ptr": "*i64",
        **{f"b{k}_ptr": "*fp64" for k in range(16)}}
-build(m._sites_kernel, dict(A_TWO=True, B_TWO=False, ROWS=1, BLOCK_X=1024), types=f64, warps=8)
-build(m._row_stats_kernel, dict(A_TWO=False, B_TWO=True, FINAL=False, ROWS=4, BLOCK_X=256), types=f64)
+build(m._sites_kernel, dict(A_TWO=True, A_VEC=0, B_TWO=False, B_VEC=2, X_VEC=2, ROWS=1, BLOCK_X=512), types=f64,
+      warps=4)
+build(m._sites_kernel, dict(A_TWO=False, A_VEC=1, B_TWO=True, B_VEC=0, X_VEC=1, ROWS=4, BLOCK_X=256), types=f64)
 build(m._combine_kernel, dict(BLOCK_R=128), types=f64)
 print("ok")
 """
