@@ -3,8 +3,9 @@
 The same file runs compiled on a GPU (`device="cuda"`) and, where there is none, under Triton's interpreter on
 CPU tensors (`TRITON_INTERPRET=1`, set by `mamba_debug.plugins` before it executes this file). Every pointer,
 stride and mask is therefore exercised on a laptop and in CI. What differs is how the work is cut (`_conv_config`,
-`scan_plan`): the scan has a GPU schedule (token steps, time chunks on a long prompt) and an interpreter schedule
-(token tiles, fewest operations), and the tests run every schedule wherever they run.
+`scan_plan`): the scan has a GPU schedule (token steps, time chunks on a long prompt) and interpreter schedules
+(token tiles, one-token forms of both ops: fewest operations, in _triton_interpret.py beside this file), and the
+tests run every schedule wherever they run.
 
 Contract (DESIGN.md "Op plug-ins"); the plain-torch reference is `mamba_debug.ops`:
 
@@ -21,12 +22,14 @@ Rules every kernel here follows, because each one is a bug seen in a real port (
   and carrying the state gives the same result as one call.
 """
 import os
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from mamba_debug.triton_launch import Launch, cdiv as _cdiv, helper_jit, next_pow2 as _pow2, sm_count
+from mamba_debug.triton_env import exec_file
 
 NAME = "triton"
 DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
@@ -51,9 +54,10 @@ elif not isinstance(tl.standard._sum_combine, triton.runtime.JITFunction):
 
 _device_function = helper_jit(INTERPRET)     # the helpers below: plain functions under the interpreter
 
-
-SOFTPLUS_THRESHOLD = tl.constexpr(20.0)   # as mamba_debug.ops and llama.cpp: softplus(dt) = dt above it
-LOG2E = tl.constexpr(1.4426950408889634)
+# The interpreter's schedules live beside this file (executed, not imported: see mamba_debug.triton_env), with the
+# softplus every schedule shares, so that they compute each element alike.
+_schedules = exec_file(Path(__file__).with_name("_triton_interpret.py"), f"{__name__}_interpret_schedules")
+_softplus, LOG2E = _schedules._softplus, _schedules.LOG2E
 
 
 # %%
@@ -64,14 +68,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _ssm_conv_kernel(
-    # pointers
-    state_ptr,          # conv_state [S, K-1, D] (read only)
-    x_ptr,              # x [S, T, D] (read only)
-    w_ptr,              # weight [D, K] (read only)
-    out_ptr,            # out [S, T, D]
-    new_state_ptr,      # new conv state [S, K-1, D]
-    # sizes
-    T, D,
+    state_ptr, x_ptr, w_ptr,    # conv_state [S, K-1, D], x [S, T, D], weight [D, K] (read only)
+    out_ptr, new_state_ptr,     # out [S, T, D], new conv state [S, K-1, D]
+    T, D,                       # sizes
     # strides, in elements: how far the pointer moves for +1 along each dim
     stride_state_s, stride_state_t, stride_state_d,
     stride_x_s, stride_x_t, stride_x_d,
@@ -134,18 +133,6 @@ def _ssm_conv_kernel(
 
 
 @_device_function
-def _softplus(dt):
-    """log(1 + exp(dt)), and dt itself above the threshold, in fp32.
-
-    tl has no log1p, and log(1 + u) loses the low bits of small u = exp(dt) (dt around -4 is common). With
-    w = fl(1 + u) = 1 + u + e, log(1 + u) = log(w) - e/w to first order, and e = (w - 1) - u exactly (w - 1 is
-    exact for w in [1, 2]): within 6 ulps of float64's softplus over dt in [-30, 25], like torch's."""
-    u = tl.exp(tl.minimum(dt, SOFTPLUS_THRESHOLD))
-    w = 1.0 + u
-    return tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(w) - ((w - 1.0) - u) / w)
-
-
-@_device_function
 def _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, ok, mask_d, mask_n):
     """x, dt [BLOCK_D] and B, C [BLOCK_N] of the token the pointers point at, as fp32 (all 0 unless ok)."""
     # tl.where, not `mask & ok`: the interpreter types block & scalar as int32
@@ -160,20 +147,13 @@ def _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, ok, mask_d, mask_n):
 
 @triton.jit
 def _ssm_scan_kernel(
-    # pointers
-    state_ptr,          # ssm_state [S, D, N] (read only)
-    x_ptr,              # x [S, T, D] (read only)
-    dt_ptr,             # dt [S, T, D], before softplus (read only)
-    A_ptr,              # A [D, N] (read only)
-    B_ptr,              # B [S, T, N] (read only)
-    C_ptr,              # C [S, T, N] (read only)
-    y_ptr,              # y [S, T, D]
-    new_state_ptr,      # new ssm state [S, D, N]
+    state_ptr, x_ptr, dt_ptr,   # ssm_state [S, D, N], x [S, T, D], dt [S, T, D] before softplus (read only)
+    A_ptr, B_ptr, C_ptr,        # A [D, N], B [S, T, N], C [S, T, N] (read only)
+    y_ptr, new_state_ptr,       # y [S, T, D], new ssm state [S, D, N]
     states_out_ptr,     # every h_t [S, T, D, N]; not touched unless HAS_STATES_OUT
     end_ptr,            # chunk summaries [S, N_CHUNKS, D, N], fp32 contiguous: the chunk's final state from h = 0
     decay_ptr,          # ... and the product of its decays exp(delta*A); unused when N_CHUNKS == 1
-    # sizes
-    T, D, N, CHUNK_T, N_CHUNKS,
+    T, D, N, CHUNK_T, N_CHUNKS,     # sizes
     # strides, in elements
     stride_state_s, stride_state_d, stride_state_n,
     stride_x_s, stride_x_t, stride_x_d,
@@ -312,87 +292,6 @@ def _ssm_scan_kernel(
                  h.to(new_state_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
-def _ssm_scan_tiled_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, new_state_ptr, states_out_ptr,
-    end_ptr, decay_ptr,                     # unused (same arguments as _ssm_scan_kernel)
-    T, D, N, CHUNK_T, N_CHUNKS,             # CHUNK_T, N_CHUNKS unused
-    stride_state_s, stride_state_d, stride_state_n,
-    stride_x_s, stride_x_t, stride_x_d,
-    stride_dt_s, stride_dt_t, stride_dt_d,
-    stride_A_d, stride_A_n,
-    stride_B_s, stride_B_t, stride_B_n,
-    stride_C_s, stride_C_t, stride_C_n,
-    stride_y_s, stride_y_t, stride_y_d,
-    stride_new_s, stride_new_d, stride_new_n,
-    stride_so_s, stride_so_t, stride_so_d, stride_so_n,
-    HAS_STATES_OUT: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILE_T: tl.constexpr,           # tokens whose inputs are loaded and prepared together
-):
-    # The interpreter schedule: the same recurrence, with as few block operations per token as possible, since
-    # under TRITON_INTERPRET=1 each operation costs ~40 us of Python whatever its size. Everything that does not
-    # depend on h (loads, softplus, the decays exp(delta*A), the inputs delta*B*x, y = h.C, the stores) is done
-    # for TILE_T tokens at once; the loop over tokens keeps only h = decay_t * h + input_t, picking row t of the
-    # tiles by a masked sum (exact: the other rows add zeros). The arithmetic per element is that of
-    # _ssm_scan_kernel, so both schedules give the same bits on the CPU. On a GPU this schedule would waste
-    # TILE_T x the work on the row picks: there the launcher uses _ssm_scan_kernel.
-    pid_s = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64) + pid_d * BLOCK_D
-    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
-    offs_r = tl.arange(0, TILE_T).to(tl.int64)
-    rows3 = offs_r[:, None, None]
-    mask_d = offs_d < D
-    mask_n = offs_n < N
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-
-    h = tl.load(state_ptr + pid_s * stride_state_s
-                + offs_d[:, None] * stride_state_d + offs_n[None, :] * stride_state_n,
-                mask=mask_dn, other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + offs_d[:, None] * stride_A_d + offs_n[None, :] * stride_A_n,
-                mask=mask_dn, other=0.0).to(tl.float32) * LOG2E
-
-    t0 = 0
-    while t0 < T:
-        rows = t0 + offs_r
-        mask_td = (rows < T)[:, None] & mask_d[None, :]
-        mask_tn = (rows < T)[:, None] & mask_n[None, :]
-        x = tl.load(x_ptr + pid_s * stride_x_s + rows[:, None] * stride_x_t + offs_d[None, :] * stride_x_d,
-                    mask=mask_td, other=0.0).to(tl.float32)                              # [TILE_T, BLOCK_D]
-        dt = tl.load(dt_ptr + pid_s * stride_dt_s + rows[:, None] * stride_dt_t + offs_d[None, :] * stride_dt_d,
-                     mask=mask_td, other=0.0).to(tl.float32)
-        Bt = tl.load(B_ptr + pid_s * stride_B_s + rows[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
-                     mask=mask_tn, other=0.0).to(tl.float32)                             # [TILE_T, BLOCK_N]
-        Ct = tl.load(C_ptr + pid_s * stride_C_s + rows[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
-                     mask=mask_tn, other=0.0).to(tl.float32)
-        delta = _softplus(dt)[:, :, None]                                                # [TILE_T, BLOCK_D, 1]
-        decays = tl.exp2(delta * A[None, :, :])                                          # [TILE_T, BLOCK_D, BLOCK_N]
-        inputs = Bt[:, None, :] * (delta * x[:, :, None])
-        hs = tl.full([TILE_T, BLOCK_D, BLOCK_N], 0.0, tl.float32)      # every h_t of the tile (tl.zeros is a jit call)
-        j = 0
-        j_end = tl.minimum(T - t0, TILE_T)      # rows past T are padding: never applied to h
-        while j < j_end:
-            pick = rows3 == j
-            h = (tl.reduce(tl.where(pick, decays, 0.0), 0, tl.standard._sum_combine) * h
-                 + tl.reduce(tl.where(pick, inputs, 0.0), 0, tl.standard._sum_combine))
-            hs = tl.where(pick, h[None, :, :], hs)
-            j += 1
-        y = tl.reduce(hs * Ct[:, None, :], 2, tl.standard._sum_combine)                 # [TILE_T, BLOCK_D]
-        tl.store(y_ptr + pid_s * stride_y_s + rows[:, None] * stride_y_t + offs_d[None, :] * stride_y_d,
-                 y.to(y_ptr.dtype.element_ty), mask=mask_td)
-        if HAS_STATES_OUT:
-            tl.store(states_out_ptr + pid_s * stride_so_s + rows[:, None, None] * stride_so_t
-                     + offs_d[None, :, None] * stride_so_d + offs_n[None, None, :] * stride_so_n,
-                     hs.to(states_out_ptr.dtype.element_ty), mask=mask_td[:, :, None] & mask_n[None, None, :])
-        t0 += TILE_T
-
-    tl.store(new_state_ptr + pid_s * stride_new_s
-             + offs_d[:, None] * stride_new_d + offs_n[None, :] * stride_new_n,
-             h.to(new_state_ptr.dtype.element_ty), mask=mask_dn)
-
-
 # %%
 # Launch parameters
 # -----------------
@@ -406,6 +305,9 @@ def _conv_config(S: int, T: int, D: int, device=None) -> dict:
 
     Interpreter: each program instance costs a large fixed Python overhead (a 64-token scan at D=512 took
     2.2 s with 64-channel blocks, 0.3 s with one 512-channel block), so use as few programs as possible."""
+    if INTERPRET and T == 1:    # decode: the one-token kernel, sequences and channels in one block (<= 2**20)
+        return dict(schedule="one_token", BLOCK_S=min(_pow2(S), max(1, 2 ** 18 // _pow2(D))), BLOCK_D=_pow2(D),
+                    num_warps=1)
     if INTERPRET:
         block_d = min(_pow2(D), 1024)
         block_t = min(_pow2(T), max(1, 2 ** 16 // block_d))   # tiles up to 64K elements
@@ -417,6 +319,11 @@ def _conv_config(S: int, T: int, D: int, device=None) -> dict:
     return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=max(1, min(4, block_d * block_t * 4 // 512)))
 
 
+# Tokens per tile of the interpreter's prompt schedule: larger tiles pay the per-tile operations fewer times (a
+# 64-token scan at d_inner 256: 41-44 ms with one 64-token tile, 47-50 ms with four of 16).
+TILE_T_MAX = 64
+
+
 # A chunk of the GPU scan is never shorter than this many tokens: shorter chunks add carry work (and a second
 # exp per token) for parallelism that is already there.
 MIN_CHUNK_T = 64
@@ -425,14 +332,16 @@ MIN_CHUNK_T = 64
 def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
     """How ssm_scan runs an [S, T, D] x N problem: the schedule, its blocks and, on a GPU, the time chunks.
 
-    Interpreter: the tiled schedule, one program for up to 1024 channels, up to 16 tokens prepared at once.
+    Interpreter (kernels/_triton_interpret.py): one token, one program per sequence; more, the tiled schedule,
+    one program for up to 1024 channels, up to TILE_T_MAX tokens prepared at once.
     GPU: the step schedule with small channel blocks; when S * D / BLOCK_D programs cannot fill the SMs a few
     times over (a long prompt at batch 1), the prompt is also cut into chunks that run in parallel."""
     block_n = _pow2(N)
+    if INTERPRET and T == 1:    # decode (ubatch 1): one step, one program per sequence
+        return dict(schedule="one_token", BLOCK_D=_pow2(D), n_chunks=1, num_warps=1)
     if INTERPRET:
-        # one token (decode, ubatch 1): the step schedule has fewer operations than preparing a tile
-        return dict(schedule="tiled" if T > 1 else "steps", BLOCK_D=min(_pow2(D), 1024),
-                    n_chunks=1, TILE_T=min(_pow2(T), 16), PREFETCH=0, num_warps=1)
+        return dict(schedule="tiled", BLOCK_D=min(_pow2(D), 1024), n_chunks=1, TILE_T=min(_pow2(T), TILE_T_MAX),
+                    num_warps=1)
     sms = sm_count(device)
     if T < 2 * MIN_CHUNK_T:
         # decode and short ubatches: one pass; the largest channel block that still gives about two programs per
@@ -454,8 +363,9 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
 # Launchers
 # ---------
 # Triton's own per-call host work (binding ~50 arguments, its specialization key) done once per argument key.
-_launch_conv, _launch_scan, _launch_tiled = (Launch(k, INTERPRET) for k in (
-    _ssm_conv_kernel, _ssm_scan_kernel, _ssm_scan_tiled_kernel))
+_launch_conv, _launch_scan = Launch(_ssm_conv_kernel, INTERPRET), Launch(_ssm_scan_kernel, INTERPRET)
+_launch_conv_one_token, _launch_scan_one_token, _launch_tiled = (Launch(k, INTERPRET) for k in (
+    _schedules._ssm_conv_one_token_kernel, _schedules._ssm_scan_one_token_kernel, _schedules._ssm_scan_tiled_kernel))
 
 
 def _empty(shape, like: torch.Tensor) -> torch.Tensor:
@@ -497,6 +407,11 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *,
         new_state.copy_(conv_state)
         return out, new_state
     cfg = dict(config) if config is not None else _conv_config(S, T, D, device=x.device)
+    if cfg.get("schedule") == "one_token":
+        _launch_conv_one_token((_cdiv(S, cfg["BLOCK_S"]),), (conv_state, x, weight, out, new_state), (
+            S, D, *conv_state.stride(), *_but_t(x), *weight.stride(), *_but_t(out), *new_state.stride()),
+            dict(K=K, BLOCK_K=_pow2(K), BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"]))
+        return out, new_state
     grid = (S, _cdiv(D, cfg["BLOCK_D"]), _cdiv(T, cfg["BLOCK_T"]))
     _launch_conv(grid, (conv_state, x, weight, out, new_state),
                  (T, D, *conv_state.stride(), *x.stride(), *weight.stride(), *out.stride(), *new_state.stride()),
@@ -530,30 +445,49 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
         new_state.copy_(ssm_state)
         return y, new_state
     plan = dict(plan) if plan is not None else scan_plan(S, T, D, N, device=x.device)
-    has_states_out = states_out is not None
-    # Without states_out (or chunks) the kernel still needs pointer arguments; they are never dereferenced.
-    so, so_strides = (states_out, states_out.stride()) if has_states_out else (new_state, (0, 0, 0, 0))
-    n_chunks = plan["n_chunks"] if plan["schedule"] == "steps" else 1
-    chunk_t = _cdiv(T, n_chunks)
-    n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
-    summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=x.device) if n_chunks > 1
-                 else new_state.new_empty((2, 1)))
-    tensors = (ssm_state, x, dt, A, B, C, y, new_state, so, summaries[0], summaries[1])
-    scalars = (T, D, N, chunk_t, n_chunks,
-               *ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
-               *y.stride(), *new_state.stride(), *so_strides)
-    meta = dict(HAS_STATES_OUT=has_states_out, BLOCK_D=plan["BLOCK_D"], BLOCK_N=_pow2(N),
+    # Without states_out the kernels still need a pointer argument; it is never dereferenced.
+    so, so_strides = (states_out, states_out.stride()) if states_out is not None else (new_state, (0, 0, 0, 0))
+    tensors = (ssm_state, x, dt, A, B, C, y, new_state, so)
+    meta = dict(HAS_STATES_OUT=states_out is not None, BLOCK_D=plan["BLOCK_D"], BLOCK_N=_pow2(N),
                 num_warps=plan["num_warps"])
+    if plan["schedule"] == "one_token":
+        _launch_scan_one_token((S,), tensors, (
+            S, D, N, *ssm_state.stride(), *_but_t(x), *_but_t(dt), *A.stride(), *_but_t(B), *_but_t(C),
+            *_but_t(y), *new_state.stride(), *_but_t(so_strides)), meta)
+        return y, new_state
+    strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
+               *y.stride(), *new_state.stride(), *so_strides)
     n_blocks = _cdiv(D, plan["BLOCK_D"])
     if plan["schedule"] == "tiled":
-        _launch_tiled((S, n_blocks), tensors, scalars, dict(meta, TILE_T=plan["TILE_T"]))
+        hs = torch.empty((S, n_blocks, plan["TILE_T"], plan["BLOCK_D"], meta["BLOCK_N"]), dtype=torch.float32,
+                         device=x.device)
+        _launch_tiled((S, n_blocks), (*tensors, hs), (T, D, N, *strides), dict(meta, TILE_T=plan["TILE_T"]))
         return y, new_state
-    meta.update(PREFETCH=int(plan.get("PREFETCH", 1)), CHUNKED=n_chunks > 1, SUMMARY=True)
-    if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0
-        _launch_scan((S, n_blocks, n_chunks - 1), tensors, scalars, meta)
-    meta["SUMMARY"] = False
-    _launch_scan((S, n_blocks, n_chunks), tensors, scalars, meta)
+    _scan_steps(plan, S, T, D, N, tensors, strides, meta)
     return y, new_state
+
+
+def _but_t(t) -> tuple:
+    """The strides of a tensor (or a stride tuple) [S, T, ...] without the token's: for one-token kernels."""
+    s = t.stride() if isinstance(t, torch.Tensor) else t
+    return (s[0], *s[2:])
+
+
+def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, strides: tuple, meta: dict):
+    """The step schedule: one pass, or time chunks (pass 1 the chunk summaries, pass 2 the carry and y)."""
+    n_chunks = plan["n_chunks"]
+    chunk_t = _cdiv(T, n_chunks)
+    n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
+    new_state = tensors[7]
+    summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=new_state.device) if n_chunks > 1
+                 else new_state.new_empty((2, 1)))
+    args = ((*tensors, summaries[0], summaries[1]), (T, D, N, chunk_t, n_chunks, *strides))
+    meta = dict(meta, PREFETCH=int(plan.get("PREFETCH", 1)), CHUNKED=n_chunks > 1, SUMMARY=True)
+    n_blocks = _cdiv(D, plan["BLOCK_D"])
+    if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0
+        _launch_scan((S, n_blocks, n_chunks - 1), *args, meta)
+    meta["SUMMARY"] = False
+    _launch_scan((S, n_blocks, n_chunks), *args, meta)
 
 
 OPS = {"ssm_conv": ssm_conv, "ssm_scan": ssm_scan}

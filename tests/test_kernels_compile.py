@@ -37,7 +37,10 @@ build(k1._ssm_conv_kernel, dict(K=4, BLOCK_KM1=4, BLOCK_K=4, BLOCK_T=32, BLOCK_D
 for chunked, summary in ((True, True), (True, False), (False, False)):
     build(k1._ssm_scan_kernel, dict(SUMMARY=summary, PREFETCH=2 if chunked else 1, CHUNKED=chunked,
                                     HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16), warps=2)
-build(k1._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, TILE_T=16))
+interp = k1._schedules      # the interpreter's schedules: no GPU plan runs them, but they stay valid Triton
+build(interp._ssm_conv_one_token_kernel, dict(K=4, BLOCK_K=4, BLOCK_S=2, BLOCK_D=64))
+build(interp._ssm_scan_one_token_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16))
+build(interp._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, TILE_T=16))
 build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=True, BLOCK_P=64, BLOCK_N=128))
 build(k2._ssd_chunked_kernel, dict(BLOCK_Q=64, BLOCK_P=64, BLOCK_N=128))
 build(k2._gated_norm_kernel, dict(BLOCK=1024), floats=("eps",))

@@ -202,6 +202,7 @@ SCAN_PLANS = {
     "chunked-19-prefetch-2": dict(schedule="steps", BLOCK_D=64, n_chunks=19, PREFETCH=2, num_warps=2),
     "tiled-4": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=4, num_warps=1),
     "tiled-16": dict(schedule="tiled", BLOCK_D=16, n_chunks=1, TILE_T=16, num_warps=1),
+    "tiled-64": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=64, num_warps=1),    # one tile, 27 rows past T
 }
 
 
@@ -218,6 +219,31 @@ def test_every_scan_schedule_matches_reference(plugin, name):
         y0, h0 = plugin.module.ssm_scan(*scan_args(inp))
         assert_same(y, y0)
         assert_same(h, h0)
+
+
+# The one-token (decode) kernels of kernels/_triton_interpret.py, forced wherever the test runs: against the
+# reference, and bit for bit against the schedules of longer ubatches. D and S are not multiples of the blocks (the
+# conv holds 2 sequences per program), N is padded, K = 3 pads the taps; every input is a strided view.
+@pytest.mark.parametrize("S,D,N,K", [(3, 100, 12, 3), (5, 40, 16, 4), (1, 24, 8, 4)])
+def test_one_token_kernels_match_reference_and_the_other_schedules(plugin, S, D, N, K):
+    mod = plugin.module
+    inp, _ = make_inputs(S, 1, D, N, K, seed=D + K)
+    block_d = 1 << (D - 1).bit_length()
+    conv_args = (inp["conv_state"], inp["x"], inp["weight"])
+    conv = mod.ssm_conv(*conv_args, config=dict(schedule="one_token", BLOCK_S=2, BLOCK_D=block_d, num_warps=1))
+    for got, r64, other in zip(conv, reference_conv(inp, torch.float64),
+                               mod.ssm_conv(*conv_args, config=dict(BLOCK_D=32, BLOCK_T=1, num_warps=1))):
+        assert not torch.isnan(got).any() and nmse(got, r64) <= NMSE_VS_FP64
+        assert_same(got, other)
+    scans = []
+    for plan in (dict(schedule="one_token", BLOCK_D=block_d, n_chunks=1, num_warps=1), SCAN_PLANS["steps"],
+                 SCAN_PLANS["tiled-4"]):
+        states = torch.full((S, 1, D, N), float("nan"), device=TORCH_DEVICE)
+        scans.append((*mod.ssm_scan(*scan_args(inp), states_out=states, plan=plan), states))
+    check_scan(inp, *scans[0])
+    for other in scans[1:]:
+        for a, b in zip(scans[0], other):
+            assert_same(a, b)
 
 
 def test_scan_without_states_out_gives_the_same_result(kern):

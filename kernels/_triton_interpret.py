@@ -1,0 +1,185 @@
+"""The interpreter's schedules of kernels/triton.py's `ssm_conv` and `ssm_scan`, and the softplus both files use.
+
+Not a plug-in (the leading underscore keeps it off the list): kernels/triton.py executes it and its launchers pick
+these kernels where `_conv_config` / `scan_plan` say so, that is under Triton's interpreter only. There every tl
+operation costs 20-200 us of Python (Triton's semantic layer: type checks, broadcasts, casts) whatever its block
+size, so these kernels are written for the fewest operations: one program for many sequences and channels, 64-bit
+indices (an int32 product or sum costs an overflow check of its own), shapes broadcast from the start rather than
+expanded later. Each output element is the same arithmetic, in the same order, as in triton.py's kernels, so every
+schedule gives the same bits on the CPU (numpy sums a contiguous last axis pairwise, another axis in order: the
+sums here reduce the axes the other kernels reduce, over arrays of the same layout). They compile for a GPU too
+(tests/test_kernels_compile.py), but no GPU plan uses them.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+from mamba_debug.triton_launch import helper_jit
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_device_function = helper_jit(INTERPRET)     # plain functions under the interpreter (see triton_launch)
+
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)   # as mamba_debug.ops and llama.cpp: softplus(dt) = dt above it
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@_device_function
+def _softplus(dt):
+    """log(1 + exp(dt)), and dt itself above the threshold, in fp32.
+
+    tl has no log1p, and log(1 + u) loses the low bits of small u = exp(dt) (dt around -4 is common). With
+    w = fl(1 + u) = 1 + u + e, log(1 + u) = log(w) - e/w to first order, and e = (w - 1) - u exactly (w - 1 is
+    exact for w in [1, 2]): within 6 ulps of float64's softplus over dt in [-30, 25], like torch's."""
+    u = tl.exp(tl.minimum(dt, SOFTPLUS_THRESHOLD))
+    w = 1.0 + u
+    return tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(w) - ((w - 1.0) - u) / w)
+
+
+@triton.jit
+def _ssm_conv_one_token_kernel(
+    state_ptr, x_ptr, w_ptr, out_ptr, new_state_ptr,
+    S, D,
+    stride_state_s, stride_state_t, stride_state_d,
+    stride_x_s, stride_x_d,                 # x's token stride is not needed: one token
+    stride_w_d, stride_w_k,
+    stride_out_s, stride_out_d,
+    stride_new_s, stride_new_t, stride_new_d,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One token per sequence (decode): the window is the K-1 state rows, then x. A program holds BLOCK_S sequences
+    # x BLOCK_K taps x BLOCK_D channels. The taps past K are 0 (from the state load), as in _ssm_conv_kernel.
+    s = (tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S))[:, None, None]
+    k = tl.arange(0, BLOCK_K).to(tl.int64)[None, :, None]
+    d = tl.arange(0, BLOCK_D).to(tl.int64)[None, None, :]
+    mask_d = d < D
+    ok = (s < S) & mask_d                                                                   # [BS, 1, BD]
+    in_state = k < K - 1
+    window = tl.where(k == K - 1,                                                           # [BS, BK, BD]
+                      tl.load(x_ptr + s * stride_x_s + d * stride_x_d, mask=ok, other=0.0),
+                      tl.load(state_ptr + s * stride_state_s + k * stride_state_t + d * stride_state_d,
+                              mask=ok & in_state, other=0.0))
+    mask_k = k < K
+    w = tl.load(w_ptr + k * stride_w_k + d * stride_w_d, mask=mask_k & mask_d, other=0.0).to(tl.float32)
+    acc = tl.reduce(window.to(tl.float32) * w, 1, tl.standard._sum_combine, keep_dims=True)   # tl.sum, see triton.py
+    tl.store(out_ptr + s * stride_out_s + d * stride_out_d, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    # the new state is window rows 1..K-1: the window itself, one row up
+    tl.store(new_state_ptr + s * stride_new_s + (k - 1) * stride_new_t + d * stride_new_d,
+             window.to(new_state_ptr.dtype.element_ty), mask=ok & (k >= 1) & mask_k)
+
+
+@triton.jit
+def _ssm_scan_one_token_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, new_state_ptr, states_out_ptr,
+    S, D, N,
+    stride_state_s, stride_state_d, stride_state_n,
+    stride_x_s, stride_x_d,                 # no token strides: one token
+    stride_dt_s, stride_dt_d,
+    stride_A_d, stride_A_n,
+    stride_B_s, stride_B_n,
+    stride_C_s, stride_C_n,
+    stride_y_s, stride_y_d,
+    stride_new_s, stride_new_d, stride_new_n,
+    stride_so_s, stride_so_d, stride_so_n,
+    HAS_STATES_OUT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One token per sequence (decode): one step of _ssm_scan_kernel without its loop, one program per sequence
+    # (a block of sequences as a third dimension costs more in broadcasts than it saves in programs).
+    s = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_d = offs_d < D
+    mask_n = offs_n < N
+    d = offs_d[:, None]
+    n = offs_n[None, :]
+    mask = mask_d[:, None] & mask_n[None, :]
+    h = tl.load(state_ptr + s * stride_state_s + d * stride_state_d + n * stride_state_n,
+                mask=mask, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + d * stride_A_d + n * stride_A_n, mask=mask, other=0.0).to(tl.float32) * LOG2E
+    x = tl.load(x_ptr + s * stride_x_s + offs_d * stride_x_d, mask=mask_d, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + s * stride_dt_s + offs_d * stride_dt_d, mask=mask_d, other=0.0).to(tl.float32)
+    B = tl.load(B_ptr + s * stride_B_s + offs_n * stride_B_n, mask=mask_n, other=0.0).to(tl.float32)
+    C = tl.load(C_ptr + s * stride_C_s + offs_n * stride_C_n, mask=mask_n, other=0.0).to(tl.float32)
+    delta = _softplus(dt)
+    h = tl.exp2(delta[:, None] * A) * h + B[None, :] * (delta * x)[:, None]
+    y = tl.reduce(h * C[None, :], 1, tl.standard._sum_combine)                 # tl.sum, see triton.py
+    tl.store(y_ptr + s * stride_y_s + offs_d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(new_state_ptr + s * stride_new_s + d * stride_new_d + n * stride_new_n,
+             h.to(new_state_ptr.dtype.element_ty), mask=mask)
+    if HAS_STATES_OUT:
+        tl.store(states_out_ptr + s * stride_so_s + d * stride_so_d + n * stride_so_n,
+                 h.to(states_out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ssm_scan_tiled_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, new_state_ptr, states_out_ptr,
+    hs_ptr,                                 # scratch: [S, cdiv(D, BLOCK_D), TILE_T, BLOCK_D, BLOCK_N] fp32
+    T, D, N,
+    stride_state_s, stride_state_d, stride_state_n,
+    stride_x_s, stride_x_t, stride_x_d,
+    stride_dt_s, stride_dt_t, stride_dt_d,
+    stride_A_d, stride_A_n,
+    stride_B_s, stride_B_t, stride_B_n,
+    stride_C_s, stride_C_t, stride_C_n,
+    stride_y_s, stride_y_t, stride_y_d,
+    stride_new_s, stride_new_d, stride_new_n,
+    stride_so_s, stride_so_t, stride_so_d, stride_so_n,
+    HAS_STATES_OUT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_T: tl.constexpr,           # tokens whose inputs are loaded and prepared together
+):
+    # A prompt: the recurrence of _ssm_scan_kernel, with the work that does not depend on h (loads, softplus, the
+    # decays exp(delta*A), the inputs delta*B*x, y = h.C, the stores) done for TILE_T tokens at once, as
+    # [TILE_T, BLOCK_D, BLOCK_N] tiles. The step over the tile's tokens keeps only h = decay_t * h + input_t: row t
+    # of the tiles comes out by a gather, and h_t goes to the program's scratch, read back as one tile for y and
+    # states_out. Rows past T are the identity step (decay 1, input -0.0: h unchanged, bit for bit), so the step
+    # loop has a constant length. On a GPU this schedule would keep TILE_T x the state in registers: there the
+    # launcher uses _ssm_scan_kernel.
+    pid_s = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    dl = tl.arange(0, BLOCK_D).to(tl.int64)[None, :, None]                  # channel in the block
+    d = dl + pid_d.to(tl.int64) * BLOCK_D
+    n = tl.arange(0, BLOCK_N).to(tl.int64)[None, None, :]
+    r = tl.arange(0, TILE_T).to(tl.int64)[:, None, None]                    # token in the tile
+    mask_d = d < D
+    mask_dn = mask_d & (n < N)
+    h = tl.load(state_ptr + pid_s * stride_state_s + d * stride_state_d + n * stride_state_n,
+                mask=mask_dn, other=0.0).to(tl.float32)                      # [1, BLOCK_D, BLOCK_N]
+    A = tl.load(A_ptr + d * stride_A_d + n * stride_A_n, mask=mask_dn, other=0.0).to(tl.float32) * LOG2E
+    hs_row = hs_ptr + (pid_s * tl.num_programs(1) + pid_d) * (TILE_T * BLOCK_D * BLOCK_N) + dl * BLOCK_N + n
+    hs_tile = hs_row + r * (BLOCK_D * BLOCK_N)
+
+    t0 = 0
+    while t0 < T:
+        rows = t0 + r
+        valid = rows < T                                                     # [TILE_T, 1, 1]
+        mask_td = valid & mask_d
+        mask_tn = valid & (n < N)
+        x = tl.load(x_ptr + pid_s * stride_x_s + rows * stride_x_t + d * stride_x_d,
+                    mask=mask_td, other=0.0).to(tl.float32)                  # [TILE_T, BLOCK_D, 1]
+        dt = tl.load(dt_ptr + pid_s * stride_dt_s + rows * stride_dt_t + d * stride_dt_d,
+                     mask=mask_td, other=0.0).to(tl.float32)
+        Bt = tl.load(B_ptr + pid_s * stride_B_s + rows * stride_B_t + n * stride_B_n,
+                     mask=mask_tn, other=0.0).to(tl.float32)                 # [TILE_T, 1, BLOCK_N]
+        Ct = tl.load(C_ptr + pid_s * stride_C_s + rows * stride_C_t + n * stride_C_n,
+                     mask=mask_tn, other=0.0).to(tl.float32)
+        delta = _softplus(dt)
+        decays = tl.where(valid, tl.exp2(delta * A), 1.0)                   # [TILE_T, BLOCK_D, BLOCK_N]
+        inputs = tl.where(valid, Bt * (delta * x), -0.0)
+        for j in tl.static_range(TILE_T):
+            pick = tl.full([1, BLOCK_D, BLOCK_N], j, tl.int64)
+            h = tl.gather(decays, pick, 0) * h + tl.gather(inputs, pick, 0)
+            tl.store(hs_row + j * (BLOCK_D * BLOCK_N), h)
+        hs = tl.load(hs_tile)                                                # every h_t of the tile
+        y = tl.reduce(hs * Ct, 2, tl.standard._sum_combine, keep_dims=True)  # [TILE_T, BLOCK_D, 1]
+        tl.store(y_ptr + pid_s * stride_y_s + rows * stride_y_t + d * stride_y_d,
+                 y.to(y_ptr.dtype.element_ty), mask=mask_td)
+        if HAS_STATES_OUT:
+            tl.store(states_out_ptr + pid_s * stride_so_s + rows * stride_so_t + d * stride_so_d + n * stride_so_n,
+                     hs.to(states_out_ptr.dtype.element_ty), mask=mask_td & mask_tn)
+        t0 += TILE_T
+
+    tl.store(new_state_ptr + pid_s * stride_new_s + d * stride_new_d + n * stride_new_n,
+             h.to(new_state_ptr.dtype.element_ty), mask=mask_dn)
