@@ -180,17 +180,49 @@ def local_line(res: CompareResult):
     if not loc or not loc.get("max_per_node"):
         return None
     head = f"local     each node's op recomputed in float64 from its own inputs ({len(loc['max_per_node'])} nodes)"
+    return head + _whole_node_clause(loc) + _token_clause(res.first_divergence)
+
+
+def _whole_node_clause(loc: dict) -> str:
     first = loc.get("first_fault") or loc.get("first_over")      # past its own path's limit, else the FP32 floor
     if first is None:
         key, err = max(loc["max_per_node"].items(), key=lambda kv: kv[1])
-        return head + f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
+        return f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
     where = f"layer {first['layer']}" if first["layer"] is not None else "outside the layers"
     fault = loc.get("first_fault") is not None
     why = ("the error is born there; the nodes after it inherit" if fault else
            f"within its reduced-precision path's limit {loc['tf32_limit']:.2g} ({first['path']}): precision")
     past = f"its path's limit {first['threshold']:.2g}" if fault else f"the FP32 floor {loc['threshold']:.2g}"
-    return (head + f": first past {past}: {where} '{first['site']}' "
+    return (f": first past {past}: {where} '{first['site']}' "
             f"({first['op']} {first['name']}, ubatch {first['ubatch']}) at {first['error']:.3g}, {why}")
+
+
+def _token_clause(fd) -> str:
+    """The per-token local evidence at the divergence's token (llama.cpp, `first_divergence.token_local`): the node
+    where the error is born at that token, or the measured fact that every node there is within the FP32 floor."""
+    tok = (fd or {}).get("token_local")
+    if not tok:
+        return ""
+    at = f"; at the divergence's token (seq {tok['seq']}, token {tok['token_in_ubatch']} of ubatch {tok['ubatch']})"
+    born = tok["first_over"]
+    if born is not None:
+        return (at + f": first node past the FP32 floor {tok['limit']:.2g} there: {_node_at(born)} at "
+                     f"{born['error']:.3g}, the error is born there")
+    w, whole = tok["worst"], tok["whole_node_only"]
+    text = at + f": every one of its {tok['nodes']} nodes up to '{tok['upto']['site']}' within the FP32 floor " \
+                f"{tok['limit']:.2g}" + (f" (worst {_node_at(w)} at {w['error']:.2g})" if w else "")
+    if not whole["within_floor"]:
+        return text + f", but {_node_at(whole['first_over'])} (no token axis) is past it over the whole node"
+    if fd.get("by"):                    # named by a whole-node local error (precision.refine): not rounding
+        return text + f", but the divergence is named by a whole-node local error: {fd['by']}"
+    if not tok["site_measured"]:
+        return text + f" ('{tok['upto']['site']}' itself is not recomputed)"
+    return text + ": the excess is accumulated rounding, not one op"
+
+
+def _node_at(r: dict) -> str:
+    where = f"layer {r['layer']}" if r["layer"] is not None else "outside the layers"
+    return f"{where} '{r['site']}' ({r['op']} {r['name']})"
 
 
 def _ref_where(ref_device: str) -> str:

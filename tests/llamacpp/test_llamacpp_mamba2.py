@@ -201,3 +201,20 @@ def test_a_fault_in_granites_head_matmul_is_named_by_its_local_error(subjects):
             flat[3] += 0.5 + abs(flat[3])
     fd = compare(subjects("tiny-granite-hybrid"), 4, 1, fault=hook).first_divergence
     assert (fd["token"], fd["seq"], fd["layer"], fd["site"]) == (4, 0, None, "MUL_MAT"), fd
+
+
+def test_per_token_local_errors_read_mamba2_and_attention_layouts(subjects):
+    """--local on Granite's hybrid: the per-token rows of a Mamba-2 layer's grouped RMS_NORM#2 ([D/G, G, T, S]) and of
+    its SSM_SCAN (y of head_dim P before the states), and of an attention layer's q and attn ([X, n_tokens]) map to
+    their (ubatch, seq, token): a fault at seq 1, token 1 of ubatch 1 in each is that node's worst token; no other
+    node (kq and kqv are per head: no token axis) reads past the floor at any token."""
+    subject = subjects("tiny-granite-hybrid")
+    faults = [(3, "RMS_NORM#2", None), (4, "y_scan", subject[1].config.d_inner), (5, "attn", None), (2, "q", None)]
+    hooks = [_fault(layer, site, 1, 2, 1, 1, T=2, x=x) for layer, site, x in faults]
+    loc = compare(subject, 4, 2, fault=lambda *a: [h(*a) for h in hooks], local=True).sides["device"].extra["local"]
+    for layer, site, _ in faults:
+        err, u, seq, tok = loc["max_per_token"][f"{layer}.{site}"]
+        assert err > loc["threshold"] and (u, seq, tok) == (1, 1, 1), (layer, site, err, u, seq, tok)
+    faulty = {f"{layer}.{site}" for layer, site, _ in faults}
+    others = {k: v for k, v in loc["max_per_token"].items() if v[0] > loc["threshold"] and k not in faulty}
+    assert not others and "2.MUL_MAT#4" not in loc["max_per_token"], others

@@ -9,12 +9,18 @@ here). Arrays are in ggml's order reversed (numpy shape ne[3], ne[2], ne[1], ne[
 
 Each node is judged against the floor of the arithmetic path it ran on (`path_of`): FP32 paths (every CPU node)
 k x FP32_FLOOR, TF32 paths (CUDA's mmf tile kernel and cuBLAS on its TF32 handle) TF32_LIMIT.
+
+Besides the whole-node error (one rel. L2 over every token of the ubatch), each node with a token axis keeps its
+per-token errors (token_rows.py): an error at one token is diluted in the whole node, not in its row.
 """
 from __future__ import annotations
 
 import struct
+from typing import Optional
 
 import numpy as np
+
+from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
 # One TF32 matmul's local rel. L2 on the H200: cuBLAS 3-5e-4, mmf up to 1.2e-3 (research/llamacpp-tracing.md 4.5;
@@ -147,8 +153,9 @@ def path_of(node) -> str:
 class LocalErrors:
     """Per mapped node: the largest local error over the run; the first node past k x the FP32 floor (`first_over`,
     what `--local` reports); the first node past its own path's limit (`first_fault`: an FP32 node past k x the
-    FP32 floor, a TF32 node past TF32_LIMIT); and the reduced-precision nodes whose error the FP32 threshold would
-    not excuse (`excused`)."""
+    FP32 floor, a TF32 node past TF32_LIMIT); the reduced-precision nodes whose error the FP32 threshold would
+    not excuse (`excused`); and, with `ubatch_shape` set, each node's per-token errors per (ubatch, group) for
+    `at_token`, and its worst token (`worst_token`)."""
 
     def __init__(self, k_floor: float, device=None):
         self.k = k_floor
@@ -160,19 +167,32 @@ class LocalErrors:
         self.excused: dict = {}
         self.reduced = False            # did any node run on a reduced-precision path
         self.index_of: dict = {}        # (ubatch, first_seq, layer, site) -> the node's index in its graph
+        self.ubatch_shape = None        # (S, T) of the ubatch being decoded: set by the side before each decode
+        self.tokens: dict = {}          # (ubatch, first_seq) -> per-token local errors of each node (at_token)
+        self.worst_token: dict = {}     # key -> [error, ubatch, seq, token in ubatch]: the node's worst token
+
+    def place(self, node, u: int, first_seq: int = 0):
+        """Note where a node sits in its graph (a divergence at a view, B or C, is bounded by it in at_token)."""
+        self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
 
     def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0):
         path = path_of(node)
         self.reduced |= not path.startswith("fp32")
-        self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
-        if node.op not in OPS or any(a is None for a in srcs):
+        self.place(node, u, first_seq)
+        if node.op not in OPS:
             return
-        err = self._error(node, srcs, got)
+        rows = None
+        err = None if any(a is None for a in srcs) else self._error(node, srcs, got)
+        if isinstance(err, tuple):
+            err, rows = err
+        self._keep_rows(node, path, err, rows, u, first_seq)
         if err is None:
             return
         site = node.site or node.op
         key = f"{'head' if node.layer is None else node.layer}.{site}"
         self.worst[key] = max(self.worst.get(key, 0.0), err)
+        if rows is not None:
+            self._worst_token(key, rows, u, first_seq)
         where = {"ubatch": u, "first_seq": first_seq, "layer": node.layer, "site": site, "op": node.op,
                  "name": node.name, "path": path, "error": err}
         if self.first is None and err > self.k * FP32_FLOOR:
@@ -186,10 +206,59 @@ class LocalErrors:
             if old is None or err > old["error"]:
                 self.excused[(key, path)] = {**where, "floor": TF32_FLOOR, "limit": limit, "index": node.index}
 
+    def _keep_rows(self, node, path: str, err, rows, u: int, first_seq: int):
+        """Keep what at_token reads: per node of the ubatch its per-token errors (S, T), else its whole-node error,
+        else None (not recomputed). A graph of an (ubatch, group) seen before replaces the old one."""
+        if self.ubatch_shape is None:
+            return
+        rec = self.tokens.get((u, first_seq))
+        if rec is None or rec["nodes"] and node.index <= rec["nodes"][-1][0]:
+            rec = self.tokens[(u, first_seq)] = {"shape": self.ubatch_shape, "nodes": []}
+        rec["nodes"].append((node.index, node.layer, node.site or node.op, node.op, node.name, path, err, rows))
+
+    def _worst_token(self, key: str, rows: np.ndarray, u: int, first_seq: int):
+        i = int(np.argmax(np.where(np.isnan(rows), -np.inf, rows)))       # NaN: inherited (token_rows.ratio)
+        e = float(rows.flat[i])
+        old = self.worst_token.get(key)
+        if old is None or e > old[0] or old[0] != old[0]:
+            q, t = divmod(i, rows.shape[1])
+            self.worst_token[key] = [e, u, first_seq + q, t]
+
+    def at_token(self, u: int, seq: int, t: int, layer, site) -> Optional[dict]:
+        """The per-token local evidence at token t (its index in the ubatch) of sequence seq in ubatch u: over the
+        nodes of that ubatch and group of sequences up to and including node (layer, site), in graph order, the
+        largest per-token local error and the first node past k x FP32_FLOOR there. Nodes without a token axis are
+        counted apart with their whole-node error. None where that ubatch or node was not recorded."""
+        hit = [(g, rec) for (uu, g), rec in self.tokens.items()
+               if uu == u and g <= seq < g + rec["shape"][0] and t < rec["shape"][1]]
+        upto = self.index_of.get((u, hit[0][0], layer, site)) if hit else None
+        if upto is None:
+            return None
+        g, rec = hit[0]
+        limit = self.k * FP32_FLOOR
+        tok, whole, n_none, own = [], [], 0, False
+        for index, n_layer, n_site, op, name, path, err, rows in rec["nodes"]:
+            if index > upto:
+                break
+            where = {"layer": n_layer, "site": n_site, "op": op, "name": name, "path": path}
+            if rows is not None:
+                tok.append({**where, "error": float(rows[seq - g, t])})
+                own |= index == upto
+            elif err is not None:
+                whole.append({**where, "error": err})
+            else:
+                n_none += 1
+        return {"ubatch": u, "seq": seq, "token_in_ubatch": t, "upto": {"layer": layer, "site": site},
+                "limit": limit, "nodes": len(tok), "site_measured": own, **_evidence(tok, limit),
+                "whole_node_only": {"nodes": len(whole), **_evidence(whole, limit)}, "not_recomputed": n_none}
+
     def _error(self, node, srcs: list, got: np.ndarray):
-        """The node's local rel. L2, or None where it is not recomputed."""
+        """The node's local rel. L2, or (it, its per-token errors (S, T)) for a node with a token axis
+        (token_rows.layout), or None where it is not recomputed."""
+        shape = self.ubatch_shape
+        lay = None if shape is None else layout(node.op, got.shape, srcs, *shape)
         if node.op == "MUL_MAT" and self.device is not None:
-            err = self._mul_mat_error(srcs, got)
+            err = self._mul_mat_error(srcs, got, lay)
             if err is not NO_ROOM:
                 self.mul_mat_on[str(self.device)] += 1
                 return err
@@ -198,12 +267,17 @@ class LocalErrors:
                          node.extra.get("op_params", ()))
         if want is None or want.shape != got.shape:
             return None
-        return rel_l2(got.astype(np.float64), want)
+        got = got.astype(np.float64)
+        if lay is None:
+            return rel_l2(got, want)
+        rows, whole = rows_and_whole(got, want, lay, *shape)
+        return (rel_l2(got, want) if whole is None else whole), rows
 
-    def _mul_mat_error(self, srcs: list, got: np.ndarray):
+    def _mul_mat_error(self, srcs: list, got: np.ndarray, lay=None):
         """MUL_MAT recomputed in float64 by torch on `device`: on a GPU a 2.8B model's matmuls take ~0.1 ms there
         against 10-100 ms each in numpy (the float64 weights stream from host memory every ubatch), which made a
-        CUDA run at -ub 1 take minutes. The same sums in float64 as `recompute`, to ~1e-15."""
+        CUDA run at -ub 1 take minutes. The same sums in float64 as `recompute`, to ~1e-15. With a token layout,
+        also the per-token errors (row sums on the device, S x T values back)."""
         import torch  # noqa: PLC0415 (only on this path)
         w, x = (self._tensor(a) for a in srcs[:2])
         if w is None or x is None:
@@ -216,9 +290,15 @@ class LocalErrors:
         want = torch.matmul(x, w.transpose(-1, -2))
         if tuple(want.shape) != got.shape:
             return None
-        num = float((torch.from_numpy(got).to(want.device, torch.float64) - want).norm())
+        g = torch.from_numpy(got).to(want.device, torch.float64)
+        num = float((g - want).norm())
         den = float(want.norm())
-        return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+        err = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+        if lay is None or lay[0] != "flat":
+            return err
+        S, T = self.ubatch_shape
+        num2, den2 = (v.cpu().numpy() for v in flat_sums(g, want, S * T, lay[1]))
+        return err, ratio(num2, den2).reshape(S, T)
 
     def _tensor(self, a: np.ndarray):
         """a as a float64 tensor on `device`; a weight (1 MB or more: the same array every ubatch) is moved once."""
@@ -236,4 +316,13 @@ class LocalErrors:
         return {"floor": FP32_FLOOR, "threshold": self.k * FP32_FLOOR, "tf32_limit": TF32_LIMIT,
                 "mul_mat_recomputed_on": dict(self.mul_mat_on),
                 "first_over": self.first, "first_fault": self.fault,
-                "max_per_node": {k: v for k, v in self.worst.items()}}
+                "max_per_node": {k: v for k, v in self.worst.items()},
+                "max_per_token": {k: v for k, v in self.worst_token.items()}}
+
+
+def _evidence(items: list, limit: float) -> dict:
+    """The largest error of the items (NaN: inherited, ranked last), the first past `limit` in graph order, and
+    whether all are within it."""
+    worst = max(items, key=lambda r: -np.inf if r["error"] != r["error"] else r["error"], default=None)
+    first = next((r for r in items if r["error"] > limit), None)
+    return {"worst": worst, "first_over": first, "within_floor": first is None}

@@ -322,6 +322,8 @@ class Tracer:
                 or node.name in HEAD_NAMES:
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
             self.local.add(node, srcs, data, self.u, self.first_seq)
+        elif node.site:                 # a compared view (B, C): where a divergence there sits in the graph
+            self.local.place(node, self.u, self.first_seq)
 
     def _leaf(self, g: dict, addr: int):
         """A source that is not a node of this graph: a weight (read once), an input of this ubatch, or the

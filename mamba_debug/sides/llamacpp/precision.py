@@ -64,11 +64,36 @@ def _at_node(res, f: dict) -> dict:
 
 
 def refine(res, fd: Optional[dict], local) -> Optional[dict]:
-    """The propagated first divergence, moved to the node where the error is born when that node is not compared:
-    the first node of the same ubatch (and group) past k x the FP32 floor of one op, before fd's node in graph
-    order, whose (layer, site) has no reference value. Otherwise fd unchanged."""
+    """The propagated first divergence of a run with no reduced-precision node, with the per-token local evidence at
+    its token (`token_local`: LocalErrors.at_token over the nodes of its ubatch and group up to its own node), moved
+    to the node where the error is born when there is one:
+    - the first node past k x the FP32 floor at that very token (a fault even when its whole-node error, diluted by
+      the ubatch's other tokens, is not); fd's own node: fd stays;
+    - none at the token: the first node of the same ubatch (and group) past it over the whole node, before fd's
+      node in graph order, whose (layer, site) has no reference value (its error may sit at an earlier token).
+    Neither: fd stays, a DIVERGED verdict with every node at its token within the FP32 floor (accumulated rounding,
+    not one op), which `token_local` records as measured."""
+    if fd is None:
+        return fd
+    tok = local.at_token(fd["ubatch"], fd["seq"], fd.get("index_in_ubatch", 0), fd["layer"], fd["site"])
+    born = tok["first_over"] if tok else None
+    if born is not None and (born["layer"], born["site"]) == (fd["layer"], fd["site"]):
+        out = fd
+    elif born is not None:
+        out = {**fd, "layer": born["layer"], "site": born["site"], "error": born["error"], "threshold": tok["limit"],
+               "by": f"per-token local error of node {born['name']} ({born['op']}, {born['path']}) at seq "
+                     f"{fd['seq']}, token {fd['token']}: the first node past the float32 floor of one op at that "
+                     f"token; '{fd['site']}' at layer {fd['layer']} consumes it"}
+    else:
+        out = _whole_node(res, fd, local)
+    return out if tok is None else {**out, "token_local": tok}
+
+
+def _whole_node(res, fd: dict, local) -> dict:
+    """fd moved to the first node of its ubatch (and group) past k x the FP32 floor over the whole node, before fd's
+    node in graph order, whose (layer, site) has no reference value; else fd unchanged."""
     first = local.first
-    if fd is None or first is None or (first["layer"], first["site"]) in res.errors:
+    if first is None or (first["layer"], first["site"]) in res.errors:
         return fd
     group = first["first_seq"]
     at = local.index_of.get((fd["ubatch"], group, fd["layer"], fd["site"]))

@@ -351,6 +351,8 @@ class LlamaCppSide:
                     b.seq_id[k][0] = self.first_seq + s
             b.n_tokens = S * T
             tracer = self.tracer
+            if self.local is not None:          # the token axis of each node (local.LocalErrors.at_token)
+                self.local.ubatch_shape = (S, T)
             tracer.begin(trace, self.u, self.first_seq, FAULT, self.local)
             rc = lib.llama_decode(self.ctx, b)
             graphs = tracer.end()

@@ -1,0 +1,191 @@
+"""Per-token local errors of the llama.cpp side (sides/llamacpp/token_rows.py, LocalErrors.at_token, precision.refine)
+on synthetic arrays in ggml's layouts: no library needed. A whole-node local error is one rel. L2 over every token of
+the ubatch; a fault confined to one token is diluted below the FP32 floor there, and only its row shows it."""
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mamba_debug.sides.llamacpp.local import FP32_FLOOR, LocalErrors
+from mamba_debug.sides.llamacpp.precision import refine
+from mamba_debug.sides.llamacpp.token_rows import layout, rows_and_whole
+from mamba_debug.views.summary import _token_clause
+
+S, T, K = 3, 8, 10.0            # sequences, tokens per sequence in the ubatch, k_floor
+LIMIT = K * FP32_FLOOR
+EPS = struct.unpack("i", struct.pack("f", 1e-5))[0]
+
+
+def node(op, layer, site, index, ne=(16, S * T, 1, 1), name=None):
+    return SimpleNamespace(op=op, backend="CPU", ne=ne, layer=layer, site=site, name=name or f"node_{index}",
+                           index=index, extra={"op_params": (EPS, 0, 0, 0)})
+
+
+def with_fault(want, at, rel):
+    """want with one element of the row `at` (an index tuple of the row) moved by rel x that row's norm."""
+    got = want.copy()
+    row = got[at]
+    row.reshape(-1)[3] += rel * np.linalg.norm(want[at])
+    return got
+
+
+@pytest.mark.parametrize("op, shape, row_of", [
+    ("ADD", (1, 1, S * T, 16), lambda q, t: (0, 0, q * T + t)),         # [X, n_tokens]
+    ("SSM_CONV", (1, S, T, 16), lambda q, t: (0, q, t)),                # [X, T, S]
+    ("MUL", (S, T, 4, 5), lambda q, t: (q, t)),                         # [A, B, T, S] (Mamba-2 heads)
+])
+def test_rows_of_the_flat_layouts_are_the_tokens(op, shape, row_of):
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal(shape)
+    got = with_fault(want, row_of(1, 5), 1e-3)
+    lay = layout(op, shape, [want, want], S, T)
+    rows, whole = rows_and_whole(got, want, lay, S, T)
+    assert lay[0] == "flat" and rows.shape == (S, T) and np.argmax(rows) == 1 * T + 5
+    assert rows[1, 5] == pytest.approx(1e-3, rel=1e-9) and np.count_nonzero(rows) == 1
+    assert whole == pytest.approx(np.linalg.norm(got - want) / np.linalg.norm(want), rel=1e-12)
+
+
+def test_ssm_scan_rows_are_its_y_part():
+    """SSM_SCAN's output is flat: y (S, T, H, P) first, then the states (S, H, P, N); only y has tokens."""
+    rng = np.random.default_rng(1)
+    H, P, N = 6, 2, 4
+    x = rng.standard_normal((S, T, H, P))
+    y, states = rng.standard_normal((S, T, H, P)), rng.standard_normal((S, H, P, N))
+    want = np.concatenate([y.reshape(-1), states.reshape(-1)]).reshape(1, 1, 1, -1)
+    got_y = with_fault(y, (2, 0), 1e-3)
+    got_states = states.copy()
+    got_states[0, 0, 0, 0] += 1.0                           # a state error is no token's
+    got = np.concatenate([got_y.reshape(-1), got_states.reshape(-1)]).reshape(want.shape)
+    lay = layout("SSM_SCAN", want.shape, [None, x], S, T)
+    rows, whole = rows_and_whole(got, want, lay, S, T)
+    assert lay == ("flat", H * P) and whole is None
+    assert np.argmax(rows) == 2 * T + 0 and np.count_nonzero(rows) == 1
+
+
+def test_concat_rows_are_the_conv_windows():
+    """CONCAT (1, S, D, K-1+T): token t's row is the K columns the conv reads for t (the CONCAT site's window), so
+    x of token t shows in the windows of tokens t .. t+K-1."""
+    d_conv, D = 4, 5
+    rng = np.random.default_rng(2)
+    want = rng.standard_normal((1, S, D, d_conv - 1 + T))
+    got = want.copy()
+    got[0, 2, 1, d_conv - 1 + 3] += 1e-3                  # x of seq 2, token 3
+    lay = layout("CONCAT", want.shape, [], S, T)
+    rows, _ = rows_and_whole(got, want, lay, S, T)
+    assert lay == ("window", d_conv)
+    assert sorted(zip(*np.nonzero(rows))) == [(2, t) for t in range(3, 3 + d_conv)]
+
+
+def test_nodes_without_a_token_axis():
+    state = np.zeros((1, 1, S, 24))                        # a state read, one row per sequence (T > 1)
+    assert layout("GET_ROWS", state.shape, [state], S, T) is None
+    assert layout("CPY", (1, 1, 1, S * T * 4), [None], S, T) is None           # a state copy
+    heads = np.zeros((1, 4, 32, 8))                        # attention's kq: a per-head MUL_MAT
+    assert layout("MUL_MAT", (1, 4, S * T, 32), [heads, None], S, T) is None
+
+
+def embedding_then_norm(rel, at=(2, 5), T_=T):
+    """A ubatch: the embedding lookup (GET_ROWS, no reference value) with a fault of `rel` at one token, then layer
+    0's RMS_NORM reading it. Returns the LocalErrors."""
+    rng = np.random.default_rng(3)
+    N, X, V = S * T_, 32, 50
+    emb = rng.standard_normal((1, 1, V, X))
+    ids = rng.integers(0, V, size=(1, 1, 1, N)).astype(np.int32)
+    want = emb[0, 0][ids.reshape(-1)].reshape(1, 1, N, X)
+    got = with_fault(want, (0, 0, at[0] * T_ + at[1]), rel).astype(np.float32)
+    le = LocalErrors(K)
+    le.ubatch_shape = (S, T_)
+    le.add(node("GET_ROWS", None, "GET_ROWS", 1, ne=(X, N, 1, 1), name="embd"), [emb, ids], got, 0)
+    x = got.astype(np.float64)
+    norm = (x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)).astype(np.float32)
+    le.add(node("RMS_NORM", 0, "RMS_NORM", 2, ne=(X, N, 1, 1), name="norm-0"), [got], norm, 0)
+    le.place(node("VIEW", 0, "B", 3), 0)
+    return le
+
+
+def fd_at(seq, t, site="RMS_NORM", layer=0):
+    return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": 0, "index_in_ubatch": t,
+            "position": "", "phase": "prompt", "error": 2e-5, "threshold": 1e-5, "nan": False}
+
+
+def result():
+    return SimpleNamespace(errors={(0, "RMS_NORM"): None, (0, "B"): None})
+
+
+def test_a_fault_at_one_token_diluted_in_the_whole_node_is_named_by_its_token_error():
+    le = embedding_then_norm(3e-5)
+    whole = le.worst["head.GET_ROWS"]
+    assert whole < LIMIT < 3e-5 and le.first is None                    # diluted: invisible over the whole node
+    assert le.worst_token["head.GET_ROWS"][1:] == [0, 2, 5]             # [error, ubatch, seq, token in ubatch]
+    assert le.worst_token["head.GET_ROWS"][0] == pytest.approx(3e-5, rel=1e-3)
+    assert le.to_dict()["max_per_token"]["head.GET_ROWS"] == le.worst_token["head.GET_ROWS"]
+    fd = refine(result(), fd_at(2, 5), le)
+    tok = fd["token_local"]
+    assert (fd["layer"], fd["site"]) == (None, "GET_ROWS") and "per-token local error of node embd" in fd["by"]
+    assert "'RMS_NORM' at layer 0 consumes it" in fd["by"] and fd["threshold"] == LIMIT
+    assert tok["first_over"]["name"] == "embd" and not tok["within_floor"] and tok["nodes"] == 2
+    assert "the error is born there" in _token_clause(fd) and "'GET_ROWS' (GET_ROWS embd)" in _token_clause(fd)
+
+
+def test_every_node_within_the_floor_at_the_token_keeps_the_divergence_and_says_so():
+    """The same ubatch, a divergence at another token: every node there within the FP32 floor; the verdict stays
+    where it was (not relabelled precision), and the evidence is recorded as measured."""
+    le = embedding_then_norm(3e-5)
+    fd = refine(result(), fd_at(0, 5), le)
+    tok = fd["token_local"]
+    assert (fd["layer"], fd["site"]) == (0, "RMS_NORM") and "by" not in fd
+    assert tok["within_floor"] and tok["first_over"] is None and tok["site_measured"]
+    assert tok["worst"]["error"] < LIMIT and tok["whole_node_only"]["nodes"] == 0
+    assert (tok["seq"], tok["token_in_ubatch"], tok["upto"]) == (0, 5, {"layer": 0, "site": "RMS_NORM"})
+    assert "accumulated rounding, not one op" in _token_clause(fd)
+    at_view = refine(result(), fd_at(0, 5, site="B"), le)["token_local"]     # a view: placed, not recomputed
+    assert at_view["nodes"] == 2 and not at_view["site_measured"]
+    assert "not recomputed" in _token_clause({"token_local": at_view})
+
+
+def test_the_evidence_stops_at_the_divergent_node():
+    """Nodes after the divergence's node in graph order are not counted: at layer 0's RMS_NORM the evidence sees the
+    lookup and the norm, at the lookup only the lookup."""
+    le = embedding_then_norm(3e-5)
+    assert le.at_token(0, 2, 5, None, "GET_ROWS")["nodes"] == 1
+    assert le.at_token(0, 2, 5, 0, "RMS_NORM")["nodes"] == 2
+    assert le.at_token(1, 2, 5, 0, "RMS_NORM") is None                  # no such ubatch recorded
+
+
+def test_mul_mat_rows_on_torch_are_numpys():
+    """The MUL_MAT recompute by torch (on the GPU for CUDA runs; here the CPU) gives numpy's per-token errors."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((1, 1, 512, 256))                # 1 MB: a weight
+    x = rng.standard_normal((1, S, T, 256)).astype(np.float32)
+    want = np.matmul(x.astype(np.float64), np.swapaxes(w, -1, -2))
+    got = with_fault(want, (0, 1, 6), 1e-4).astype(np.float32)
+    rows = []
+    for device in (None, "cpu"):
+        le = LocalErrors(K, device=device)
+        le.ubatch_shape = (S, T)
+        le.add(node("MUL_MAT", 0, "xz", 4, ne=(512, T, S, 1)), [w, x], got, 0)
+        rows.append(le.tokens[(0, 0)]["nodes"][0][-1])
+        assert le.worst_token["0.xz"][1:] == [0, 1, 6]
+    np.testing.assert_allclose(rows[1], rows[0], rtol=1e-9, atol=1e-12)
+
+
+def test_without_a_ubatch_shape_only_the_whole_node_error_is_kept():
+    le = LocalErrors(K)
+    x = np.ones((1, 1, 4, 8), dtype=np.float32)
+    le.add(node("ADD", 0, "resid", 1, ne=(8, 4, 1, 1)), [x, x], x + x, 0)
+    assert "0.resid" in le.worst and le.worst_token == {} and le.tokens == {}
+
+
+def test_a_whole_node_fault_at_another_token_still_names_an_unreferenced_node():
+    """Nothing past the floor at the divergence's token, but the lookup (no reference value) is past it over the
+    whole node from a fault at another token: the whole-node rule still names it, and the summary does not call
+    the divergence rounding."""
+    le = embedding_then_norm(1e-2, at=(0, 1))
+    fd = refine(result(), fd_at(2, 5), le)
+    assert fd["token_local"]["within_floor"] and (fd["layer"], fd["site"]) == (None, "GET_ROWS")
+    assert fd["by"].startswith("local error of node embd")
+    text = _token_clause(fd)
+    assert "named by a whole-node local error" in text and "accumulated rounding" not in text
