@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import mamba_debug as md  # noqa: E402
 from mamba_debug.compare import run_compare  # noqa: E402
 from mamba_debug.settings import RunSettings  # noqa: E402
-from mamba_debug.views.summary import to_json  # noqa: E402
+from mamba_debug.views.summary import local_line, to_json  # noqa: E402
 
 N_GEN = 4
 PROMPT = "It was a fine morning in the country, and Mr. Darcy had gone out early to walk along the river with his"
@@ -72,7 +72,9 @@ def cell(model, ids, n_gen=N_GEN, **kw) -> dict:
     oe = lc.get("observer_effect", {})
     return {**{k: v for k, v in kw.items() if k != "llama_lib"}, "seconds": round(time.perf_counter() - t0, 2),
             "verdict": j["verdict"] if isinstance(j["verdict"], str) else j["verdict"].get("text", str(j["verdict"])),
-            "first_divergence": None if fd is None else {k: fd.get(k) for k in ("seq", "token", "layer", "site")},
+            "first_divergence": None if fd is None else {k: fd.get(k) for k in ("seq", "token", "layer", "site", "by")},
+            "token_local": None if fd is None else fd.get("token_local"),     # per-token local evidence at fd
+            "local_line": local_line(res),
             "precision": j.get("precision"),
             "logits_rel_l2_max": _max_logit_err(res), "kld_max": j["logits"]["kld_max"],
             "top1": j["logits"]["top1_agreement"],

@@ -135,8 +135,8 @@ def _ssm_scan_tiled_kernel(
     # [TILE_T, BLOCK_D, BLOCK_N] tiles. The step over the tile's tokens keeps only h = decay_t * h + input_t: row t
     # of the tiles comes out by a gather, and h_t goes to the program's scratch, read back as one tile for y and
     # states_out. Rows past T are the identity step (decay 1, input -0.0: h unchanged, bit for bit), so the step
-    # loop has a constant length. On a GPU this schedule would keep TILE_T x the state in registers: there the
-    # launcher uses _ssm_scan_kernel.
+    # loop has a constant length. No GPU plan uses this schedule (the scratch round trip and TILE_T x the work per
+    # token); the tests also run it compiled, hence the barriers around the scratch.
     pid_s = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     dl = tl.arange(0, BLOCK_D).to(tl.int64)[None, :, None]                  # channel in the block
@@ -172,7 +172,9 @@ def _ssm_scan_tiled_kernel(
             pick = tl.full([1, BLOCK_D, BLOCK_N], j, tl.int64)
             h = tl.gather(decays, pick, 0) * h + tl.gather(inputs, pick, 0)
             tl.store(hs_row + j * (BLOCK_D * BLOCK_N), h)
+        tl.debug_barrier()      # compiled, other threads wrote parts of the tile (a no-op under the interpreter)
         hs = tl.load(hs_tile)                                                # every h_t of the tile
+        tl.debug_barrier()      # ... and the next tile's steps must not overwrite it before every thread has read it
         y = tl.reduce(hs * Ct, 2, tl.standard._sum_combine, keep_dims=True)  # [TILE_T, BLOCK_D, 1]
         tl.store(y_ptr + pid_s * stride_y_s + rows * stride_y_t + d * stride_y_d,
                  y.to(y_ptr.dtype.element_ty), mask=mask_td)

@@ -9,7 +9,7 @@ once, in its own dtype and strides, and reduced in float64 into
     mx  = max |a-b| over the finite differences       flags: a has a non-finite, b has a non-finite
 
 from which the kernel also computes the four metrics with `_site_errors_torch`'s where/clamp rules: one launch per
-group of like sites (a layer's, read where they lie), and a second for the rows it cuts into pieces.
+group of like sites (a layer's, read where they lie), then one that turns every site's piece sums into metrics.
 
 Do not import this file directly: `metrics._fused_module` executes it once per mode, like the kernel plug-ins.
 `triton.jit` decides interpreted-or-compiled from TRITON_INTERPRET when it runs (once, at execution), so the copy
@@ -152,8 +152,8 @@ def _store_parts(p, rows, ok, step, num, den, aa, ab, mx, a_bad, b_bad):
 
 @_device_function
 def _site_of(table_ptr, n_sites, pid, N_COLS: tl.constexpr, FIRST: tl.constexpr):
-    """The table row (site) of program pid: the last whose first program is not after pid (row n_sites is a
-    sentinel past the grid), by binary search."""
+    """The table row (site) of program pid: the last of its n_sites rows whose first program is not after pid, by
+    binary search."""
     lo = n_sites * 0
     hi = n_sites
     while hi - lo > 1:
@@ -204,7 +204,7 @@ def _sites_kernel(
     a8_ptr, a9_ptr, a10_ptr, a11_ptr, a12_ptr, a13_ptr, a14_ptr, a15_ptr,
     b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr,
     b8_ptr, b9_ptr, b10_ptr, b11_ptr, b12_ptr, b13_ptr, b14_ptr, b15_ptr,
-    table_ptr,                # [n_sites + 1, NF] int64 (FIELDS), the last row a sentinel
+    table_ptr,                # [n_sites, NF] int64 (FIELDS)
     part_ptr,                 # float64: each site's [N_PARTS, split, R] piece sums at its part_off
     n_sites,                  # at most SITES_PER_LAUNCH
     A_TWO: tl.constexpr, A_VEC: tl.constexpr, B_TWO: tl.constexpr, B_VEC: tl.constexpr,   # row layouts (_offsets)
@@ -214,7 +214,8 @@ def _sites_kernel(
     """Many (dev, ref) sites in one launch, each row read where it lies (no stacking copy). A program sums ROWS rows
     of its site over one piece of their elements (a whole row, or a piece of a long one) for _combine_kernel; the
     pieces of a row are adjacent programs. The metrics are left to _combine_kernel even for a row of one piece: with
-    their formulas here too the kernel took 96 registers instead of 74 (2 programs per SM instead of 3 on an H200)."""
+    their formulas here too the kernel took 96 registers instead of 74 (at 1024 elements over 8 warps: 2 programs an
+    SM instead of 3 on an H200)."""
     pid = tl.program_id(0).to(tl.int64)     # 64-bit from the start: no offset product can overflow
     f, site = _site_of(table_ptr, n_sites, pid, NF, 13)
     R, X = tl.load(f), tl.load(f + 2)
@@ -240,7 +241,7 @@ def _sites_kernel(
 @triton.jit
 def _combine_kernel(table_ptr, part_ptr, out_ptr, n_sites, BLOCK_R: tl.constexpr):
     """The sites' pieces, row by row in piece order from the first (deterministic; one piece: its sums as they are),
-    then their metrics; table: [n_sites + 1, NC] int64 (COMBINE_FIELDS), the last row a sentinel."""
+    then their metrics; table: [n_sites, NC] int64 (COMBINE_FIELDS)."""
     pid = tl.program_id(0).to(tl.int64)
     f, _ = _site_of(table_ptr, n_sites, pid, NC, 4)
     R, split = tl.load(f), tl.load(f + 1)
@@ -335,7 +336,7 @@ def site_errors_sites(pairs: list) -> list[dict]:
 class _Plan:
     """How a list of (dev, ref) pairs, ready for the kernel, is measured: the launches (each at most
     SITES_PER_LAUNCH like pairs: their indices, options and table, on the device from the first call on), one
-    combine launch for the rows cut into pieces, and where each pair's [4, S, T] metrics lie in the one result
+    combine launch that turns every site's piece sums into its metrics, and where each pair's [4, S, T] metrics lie in the one result
     block. A call hands each launch its pairs' tensors. config: one cut for every pair instead of `plan`'s."""
 
     def __init__(self, ready: list, lays: list, config: dict | None = None):
@@ -346,9 +347,9 @@ class _Plan:
             for k in range(0, len(items), SITES_PER_LAUNCH):
                 self._add_launch(key, items[k:k + SITES_PER_LAUNCH], combine)
         self.combine = None
-        if combine:                 # the sentinel row starts past every program
+        if combine:
             self.combine = dict(grid=(combine[-1][4] + cdiv(combine[-1][0], BLOCK_R),), n=len(combine),
-                                table=torch.tensor(combine + [[0, 0, 0, 0, 1 << 62]], dtype=torch.int64))
+                                table=torch.tensor(combine, dtype=torch.int64))
 
     def _groups(self, ready: list, lays: list, config) -> dict:
         """The pairs by what a launch fixes for all its sites (dtypes, cut, row layouts): each pair's table fields
@@ -382,7 +383,6 @@ class _Plan:
             self.order.append((i, 4 * R))
             self.total += 4 * R
             first += cdiv(R, rows) * split
-        table.append([0] * 13 + [1 << 62, 1, 1, 0])     # the sentinel: starts past every program
         idx = [it[0] for it in items]
         self.launches.append(dict(
             idx=idx + idx[:1] * (SITES_PER_LAUNCH - len(idx)), n=len(idx), grid=(first,),

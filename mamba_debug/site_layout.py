@@ -47,9 +47,10 @@ def plan(R: int, X: int, sms: int = 0) -> dict:
 
     Interpreter (sms == 0): each block operation costs ~50 us of Python whatever its size, so the fewest and
     largest blocks (up to 64K elements), one piece per row.
-    GPU (sms: the device's SM count): steps of 512 elements over 4 warps (4 per thread: 16-byte loads, 72
-    registers on sm_90, 7 programs an SM), short rows packed several per program: the best cut on an H200 for a
-    2.8B layer's sites at ubatch 512 (204 us, 222 with 1024 over 8 warps, 214 with 1024 over 4; 2.8 TB/s).
+    GPU (sms: the device's SM count): steps of 512 elements over 4 warps (4 per thread: 16-byte loads of float32,
+    72 registers on sm_90, 7 programs an SM), short rows packed several per program. On an H200, a 2.8B layer's
+    sites at ubatch 512 took 204 and 238 us in two runs (1024 over 4 warps: 214 and 214; over 8: 222 and 224): the
+    cuts are within run-to-run noise of each other (benchmarks/README.md, eleventh session).
     Rows are cut into pieces of whole steps, combined in order by a second kernel, when there are too few programs
     to keep every SM busy: a state taken at the end of a ubatch (S rows of 81920: one-step pieces) or the per-token
     states of a ubatch of 512 (3 pieces per row, 1536 programs instead of 512, about 1.3 waves of resident programs

@@ -156,6 +156,18 @@ def json_num(x: float):
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf" if x < 0 else "nan")
 
 
+def json_safe(obj):
+    """obj with every non-finite float written as json_num writes it (dicts, lists and tuples walked): for the
+    engines' own records (llama.cpp's local errors), whose floats may be inf or NaN."""
+    if isinstance(obj, float):
+        return json_num(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def nanmax(t: torch.Tensor) -> float:
     """Largest value that is not NaN (NaN: not observed / not captured); NaN if there is none."""
     t = t[~torch.isnan(t)]

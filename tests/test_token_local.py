@@ -127,7 +127,7 @@ def test_a_fault_at_one_token_diluted_in_the_whole_node_is_named_by_its_token_er
     assert (fd["layer"], fd["site"]) == (None, "GET_ROWS") and "per-token local error of node embd" in fd["by"]
     assert "'RMS_NORM' at layer 0 consumes it" in fd["by"] and fd["threshold"] == LIMIT
     assert tok["first_over"]["name"] == "embd" and not tok["within_floor"] and tok["nodes"] == 2
-    assert "the error is born there" in _token_clause(fd) and "'GET_ROWS' (GET_ROWS embd)" in _token_clause(fd)
+    assert "the error is born there" in _token_clause(fd, {}) and "'GET_ROWS' (GET_ROWS embd)" in _token_clause(fd, {})
 
 
 def test_every_node_within_the_floor_at_the_token_keeps_the_divergence_and_says_so():
@@ -140,10 +140,12 @@ def test_every_node_within_the_floor_at_the_token_keeps_the_divergence_and_says_
     assert tok["within_floor"] and tok["first_over"] is None and tok["site_measured"]
     assert tok["worst"]["error"] < LIMIT and tok["whole_node_only"]["nodes"] == 0
     assert (tok["seq"], tok["token_in_ubatch"], tok["upto"]) == (0, 5, {"layer": 0, "site": "RMS_NORM"})
-    assert "accumulated rounding, not one op" in _token_clause(fd)
+    assert "no single op makes the excess, it is accumulated rounding" in _token_clause(fd, {})
+    assert "accumulated rounding" not in _token_clause(fd, {"first_over": {"layer": 3}})      # a fault elsewhere
     at_view = refine(result(), fd_at(0, 5, site="B"), le)["token_local"]     # a view: placed, not recomputed
     assert at_view["nodes"] == 2 and not at_view["site_measured"]
-    assert "not recomputed" in _token_clause({"token_local": at_view})
+    assert "not recomputed" in _token_clause({"token_local": at_view}, {})
+    assert "accumulated rounding" not in _token_clause({"token_local": at_view}, {})
 
 
 def test_the_evidence_stops_at_the_divergent_node():
@@ -187,5 +189,29 @@ def test_a_whole_node_fault_at_another_token_still_names_an_unreferenced_node():
     fd = refine(result(), fd_at(2, 5), le)
     assert fd["token_local"]["within_floor"] and (fd["layer"], fd["site"]) == (None, "GET_ROWS")
     assert fd["by"].startswith("local error of node embd")
-    text = _token_clause(fd)
+    text = _token_clause(fd, {})
     assert "named by a whole-node local error" in text and "accumulated rounding" not in text
+
+
+def test_an_earlier_token_of_the_sequence_past_the_floor_keeps_it_from_being_called_rounding():
+    """The fault at token 3 of sequence 2 (past the floor there) and a divergence at token 5 of the same sequence,
+    where every node is within the floor: the divergence stays, `earlier_over` names the lookup at token 3, and
+    the summary does not call it rounding. Another sequence's token 3 is not this sequence's history."""
+    le = embedding_then_norm(3e-5, at=(2, 3))
+    tok = refine(result(), fd_at(2, 5), le)["token_local"]
+    assert tok["within_floor"] and tok["earlier_over"]["name"] == "embd" and tok["earlier_over"]["token_in_ubatch"] == 3
+    text = _token_clause({"token_local": tok}, {})
+    assert "at token 3 of the same sequence" in text and "accumulated rounding" not in text
+    assert refine(result(), fd_at(1, 5), le)["token_local"]["earlier_over"] is None
+
+
+def test_a_nan_made_from_finite_inputs_is_born_there_not_inherited():
+    """rel_l2: a node whose output is NaN or inf where its float64 recompute is finite has local error inf (past
+    every limit: born there); a NaN recompute (non-finite inputs) stays NaN (inherited)."""
+    from mamba_debug.sides.llamacpp.local import rel_l2
+    want = np.ones((1, 1, 4, 8))
+    got = want.copy()
+    got[0, 0, 2, 3] = np.nan
+    assert rel_l2(got, want) == np.inf
+    assert np.isnan(rel_l2(want, np.where(got != got, np.nan, want)))
+    assert rel_l2(want, want) == 0.0

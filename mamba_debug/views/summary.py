@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..arch import MODEL_SITES
-from ..trace import RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, nanmax
+from ..trace import RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, json_safe, nanmax
 
 
 def _err(res: CompareResult, key):
@@ -79,9 +79,9 @@ def to_json(res: CompareResult) -> dict:
                    "local": s.local, "repeat": s.repeat, "model": res.model_info,
                    "engine": s.engine, "ubatch_per_seq": s.ubatch_per_seq(),
                    "seqs_per_ubatch": s.seqs_per_ubatch(),
-                   **({"llama_cpp": res.sides["device"].extra} if res.sides["device"].extra else {}),
+                   **({"llama_cpp": json_safe(res.sides["device"].extra)} if res.sides["device"].extra else {}),
                    **split_config(res.placement)},
-        "first_divergence": _with_node(fd, res.sides["device"].extra),
+        "first_divergence": json_safe(_with_node(fd, res.sides["device"].extra)),
         **({"precision": res.precision["items"] if res.precision else [],
             "precision_summary": {k: v for k, v in res.precision.items() if k != "items"} if res.precision else None}
            if res.judged else {}),
@@ -180,7 +180,7 @@ def local_line(res: CompareResult):
     if not loc or not loc.get("max_per_node"):
         return None
     head = f"local     each node's op recomputed in float64 from its own inputs ({len(loc['max_per_node'])} nodes)"
-    return head + _whole_node_clause(loc) + _token_clause(res.first_divergence)
+    return head + _whole_node_clause(loc) + _token_clause(res.first_divergence, loc)
 
 
 def _whole_node_clause(loc: dict) -> str:
@@ -197,9 +197,11 @@ def _whole_node_clause(loc: dict) -> str:
             f"({first['op']} {first['name']}, ubatch {first['ubatch']}) at {first['error']:.3g}, {why}")
 
 
-def _token_clause(fd) -> str:
+def _token_clause(fd, loc: dict) -> str:
     """The per-token local evidence at the divergence's token (llama.cpp, `first_divergence.token_local`): the node
-    where the error is born at that token, or the measured fact that every node there is within the FP32 floor."""
+    where the error is born at that token; else the measured facts, and "accumulated rounding" only when nothing
+    measured points elsewhere (every node up to the site recomputed and within the floor at this token and the
+    sequence's earlier ones, none past it over the whole node in the run, a finite divergence at a recomputed site)."""
     tok = (fd or {}).get("token_local")
     if not tok:
         return ""
@@ -208,16 +210,33 @@ def _token_clause(fd) -> str:
     if born is not None:
         return (at + f": first node past the FP32 floor {tok['limit']:.2g} there: {_node_at(born)} at "
                      f"{born['error']:.3g}, the error is born there")
-    w, whole = tok["worst"], tok["whole_node_only"]
-    text = at + f": every one of its {tok['nodes']} nodes up to '{tok['upto']['site']}' within the FP32 floor " \
-                f"{tok['limit']:.2g}" + (f" (worst {_node_at(w)} at {w['error']:.2g})" if w else "")
+    w = tok["worst"]
+    text = at + f": every one of its {tok['nodes']} recomputed nodes up to '{tok['upto']['site']}' within the FP32 " \
+                f"floor {tok['limit']:.2g}" + (f" (worst {_node_at(w)} at {w['error']:.2g})" if w else "")
+    buts = _caveats(fd, tok, loc)
+    if buts:
+        return text + ", but " + "; ".join(buts)
+    return text + ": no single op makes the excess, it is accumulated rounding"
+
+
+def _caveats(fd: dict, tok: dict, loc: dict) -> list:
+    """What keeps a divergence whose nodes at its token are all within the floor from being called rounding."""
+    out, whole, early = [], tok["whole_node_only"], tok.get("earlier_over")
     if not whole["within_floor"]:
-        return text + f", but {_node_at(whole['first_over'])} (no token axis) is past it over the whole node"
-    if fd.get("by"):                    # named by a whole-node local error (precision.refine): not rounding
-        return text + f", but the divergence is named by a whole-node local error: {fd['by']}"
+        out.append(f"{_node_at(whole['first_over'])} (no token axis) is past it over the whole node")
+    if early:
+        out.append(f"{_node_at(early)} is past it at token {early['token_in_ubatch']} of the same sequence")
+    if tok["not_recomputed"]:
+        out.append(f"{tok['not_recomputed']} node(s) before it are not recomputed")
     if not tok["site_measured"]:
-        return text + f" ('{tok['upto']['site']}' itself is not recomputed)"
-    return text + ": the excess is accumulated rounding, not one op"
+        out.append(f"'{tok['upto']['site']}' itself is not recomputed")
+    if fd.get("nan") or fd.get("error") in ("inf", "nan") or fd.get("error") != fd.get("error"):
+        out.append("the divergence is not finite")
+    if fd.get("by"):                    # named by a whole-node local error (precision.refine)
+        out.append(f"the divergence is named by a whole-node local error: {fd['by']}")
+    elif loc.get("first_fault") or loc.get("first_over"):
+        out.append("a node is past the floor over the whole node elsewhere in the run (above)")
+    return out
 
 
 def _node_at(r: dict) -> str:

@@ -357,7 +357,8 @@ def test_a_rounding_divergence_says_every_node_at_its_token_is_within_the_floor(
     assert tok["nodes"] > 100 and tok["limit"] == pytest.approx(2e-6) and "DIVERGED" in to_json(res)["verdict"]
     if tok["within_floor"]:
         assert "by" not in fd and tok["site_measured"] and tok["worst"]["error"] <= tok["limit"]
-        assert f"every one of its {tok['nodes']} nodes up to '{fd['site']}' within the FP32 floor" in line
-        assert "accumulated rounding, not one op" in line, line
+        assert f"every one of its {tok['nodes']} recomputed nodes up to '{fd['site']}' within the FP32 floor" in line
+        rounding = not (tok["not_recomputed"] or tok["earlier_over"] or not tok["whole_node_only"]["within_floor"])
+        assert ("no single op makes the excess, it is accumulated rounding" in line) == rounding, line
     else:
         assert (fd["layer"], fd["site"]) == (tok["first_over"]["layer"], tok["first_over"]["site"]) and "born" in line

@@ -107,9 +107,10 @@ def _scan(srcs, out_shape):
 
 
 def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
-    den = float(np.sqrt((want * want).sum()))
-    num = float(np.sqrt(((got - want) ** 2).sum()))
-    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+    """||got - want|| / ||want|| by token_rows.ratio's rules: a node that made a NaN or inf from finite inputs is
+    inf (born here, past every limit), never NaN (which would read as inherited)."""
+    d = got - want
+    return float(ratio(np.vdot(d, d), np.vdot(want, want)))
 
 
 NO_ROOM = object()              # _mul_mat_error: the weight does not fit on the device: recompute on the host
@@ -167,9 +168,14 @@ class LocalErrors:
         self.excused: dict = {}
         self.reduced = False            # did any node run on a reduced-precision path
         self.index_of: dict = {}        # (ubatch, first_seq, layer, site) -> the node's index in its graph
-        self.ubatch_shape = None        # (S, T) of the ubatch being decoded: set by the side before each decode
+        self.ubatch_shape = None        # (S, T) of the ubatch being decoded: `begin`, before each decode
         self.tokens: dict = {}          # (ubatch, first_seq) -> per-token local errors of each node (at_token)
         self.worst_token: dict = {}     # key -> [error, ubatch, seq, token in ubatch]: the node's worst token
+
+    def begin(self, u: int, first_seq: int, S: int, T: int):
+        """A decode of ubatch u of the group at first_seq starts (again, in a replay): its per-token record anew."""
+        self.ubatch_shape = (S, T)
+        self.tokens.pop((u, first_seq), None)
 
     def place(self, node, u: int, first_seq: int = 0):
         """Note where a node sits in its graph (a divergence at a view, B or C, is bounded by it in at_token)."""
@@ -211,9 +217,7 @@ class LocalErrors:
         else None (not recomputed). A graph of an (ubatch, group) seen before replaces the old one."""
         if self.ubatch_shape is None:
             return
-        rec = self.tokens.get((u, first_seq))
-        if rec is None or rec["nodes"] and node.index <= rec["nodes"][-1][0]:
-            rec = self.tokens[(u, first_seq)] = {"shape": self.ubatch_shape, "nodes": []}
+        rec = self.tokens.setdefault((u, first_seq), {"shape": self.ubatch_shape, "nodes": []})
         rec["nodes"].append((node.index, node.layer, node.site or node.op, node.op, node.name, path, err, rows))
 
     def _worst_token(self, key: str, rows: np.ndarray, u: int, first_seq: int):
@@ -228,7 +232,9 @@ class LocalErrors:
         """The per-token local evidence at token t (its index in the ubatch) of sequence seq in ubatch u: over the
         nodes of that ubatch and group of sequences up to and including node (layer, site), in graph order, the
         largest per-token local error and the first node past k x FP32_FLOOR there. Nodes without a token axis are
-        counted apart with their whole-node error. None where that ubatch or node was not recorded."""
+        counted apart with their whole-node error. `earlier_over`: the first node past the floor at an earlier token
+        of the same sequence in this ubatch (an error born there reaches token t through the states). None where
+        that ubatch or node was not recorded."""
         hit = [(g, rec) for (uu, g), rec in self.tokens.items()
                if uu == u and g <= seq < g + rec["shape"][0] and t < rec["shape"][1]]
         upto = self.index_of.get((u, hit[0][0], layer, site)) if hit else None
@@ -236,7 +242,7 @@ class LocalErrors:
             return None
         g, rec = hit[0]
         limit = self.k * FP32_FLOOR
-        tok, whole, n_none, own = [], [], 0, False
+        tok, whole, n_none, own, earlier = [], [], 0, False, None
         for index, n_layer, n_site, op, name, path, err, rows in rec["nodes"]:
             if index > upto:
                 break
@@ -244,13 +250,18 @@ class LocalErrors:
             if rows is not None:
                 tok.append({**where, "error": float(rows[seq - g, t])})
                 own |= index == upto
+                before = np.nan_to_num(rows[seq - g, :t], nan=0.0)     # NaN: inherited
+                if earlier is None and before.size and before.max() > limit:
+                    j = int(before.argmax())
+                    earlier = {**where, "token_in_ubatch": j, "error": float(before[j])}
             elif err is not None:
                 whole.append({**where, "error": err})
             else:
                 n_none += 1
         return {"ubatch": u, "seq": seq, "token_in_ubatch": t, "upto": {"layer": layer, "site": site},
                 "limit": limit, "nodes": len(tok), "site_measured": own, **_evidence(tok, limit),
-                "whole_node_only": {"nodes": len(whole), **_evidence(whole, limit)}, "not_recomputed": n_none}
+                "whole_node_only": {"nodes": len(whole), **_evidence(whole, limit)}, "not_recomputed": n_none,
+                "earlier_over": earlier}
 
     def _error(self, node, srcs: list, got: np.ndarray):
         """The node's local rel. L2, or (it, its per-token errors (S, T)) for a node with a token axis
@@ -291,9 +302,7 @@ class LocalErrors:
         if tuple(want.shape) != got.shape:
             return None
         g = torch.from_numpy(got).to(want.device, torch.float64)
-        num = float((g - want).norm())
-        den = float(want.norm())
-        err = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+        err = float(ratio(float((g - want).square().sum()), float(want.square().sum())))   # rel_l2's rules
         if lay is None or lay[0] != "flat":
             return err
         S, T = self.ubatch_shape

@@ -352,7 +352,7 @@ class LlamaCppSide:
             b.n_tokens = S * T
             tracer = self.tracer
             if self.local is not None:          # the token axis of each node (local.LocalErrors.at_token)
-                self.local.ubatch_shape = (S, T)
+                self.local.begin(self.u, self.first_seq, S, T)
             tracer.begin(trace, self.u, self.first_seq, FAULT, self.local)
             rc = lib.llama_decode(self.ctx, b)
             graphs = tracer.end()
