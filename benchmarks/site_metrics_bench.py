@@ -55,8 +55,9 @@ def flush_l2(buf):
         buf.zero_()
 
 
-def gpu_time(fn, reps: int, flush) -> float:
-    """Median seconds of fn over reps runs, each after an L2 flush (CUDA events); wall clock without a GPU."""
+def gpu_time(fn, reps: int, flush, sleep: bool = False) -> float:
+    """Median seconds of fn over reps runs, each after an L2 flush (CUDA events); wall clock without a GPU.
+    sleep: the GPU sleeps ~2 ms before fn's kernels, so the host has enqueued them all (see kernel_time)."""
     if not CUDA:
         times = []
         for _ in range(reps):
@@ -71,6 +72,8 @@ def gpu_time(fn, reps: int, flush) -> float:
         flush_l2(flush)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        if sleep:
+            torch.cuda._sleep(4_000_000)
         fn()
         end.record()
         end.synchronize()
@@ -177,23 +180,9 @@ def bench_rows(date: str, T: int = 512, reps: int = 20, calls: int = 200, sweep:
 
 
 def kernel_time(fn, reps: int, flush) -> float:
-    """GPU seconds of fn's kernels alone: the host enqueues them while the GPU sleeps (~2 ms, timed alone and
-    subtracted), so the host's own work per call (a layer's 17 pairs: signature, launches, views) is not counted."""
-    def timed(f):
-        f()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            flush_l2(flush)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(4_000_000)
-            f()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-    return timed(fn) - timed(lambda: None)
+    """GPU seconds of fn's kernels alone: the host enqueues them while the GPU sleeps (timed alone and subtracted),
+    so the host's own work per call (a layer's 17 pairs: signature, launches, views) is not counted."""
+    return gpu_time(fn, reps, flush, sleep=True) - gpu_time(lambda: None, reps, flush, sleep=True)
 
 
 def layer_pairs(T: int, seed: int) -> dict:
@@ -209,8 +198,9 @@ def layer_pairs(T: int, seed: int) -> dict:
 
 
 def layer_rows(date, T, reps, flush) -> list[dict]:
-    """A layer's 17 pairs through `site_errors_sites` (one launch of the sites kernel, one combine), GPU time only:
-    the plan's cut against other steps x warps for the rows the plan gives 512-element steps."""
+    """A layer's 17 pairs through `site_errors_sites` (two launches of the sites kernel: 15 like pairs, and B, C;
+    one combine), GPU time only: the plan's cut against other steps x warps for the rows the plan gives
+    512-element steps; each cut's values checked against the torch version."""
     mod = _fused_module(interpret=False)
     a, b = layer_pairs(T, 1), layer_pairs(T, 2)
     pairs = [(a[k], b[k]) for k in a]
@@ -223,11 +213,13 @@ def layer_rows(date, T, reps, flush) -> list[dict]:
         try:
             mod._PLANS.clear()
             t = kernel_time(lambda: mod.site_errors_sites(pairs), reps, flush)
+            checks = [compare(e, _site_errors_torch(*p)) for e, p in zip(mod.site_errors_sites(pairs), pairs)]
         finally:
             mod.plan = plan
+        ok = all(worst <= 1e-12 and same for worst, same in checks)
         what = "plan" if block_x is None else f"steps of {block_x} over {warps} warps"
         rows.append({"date": date, "part": "layer", "what": f"a 2.8B layer's 17 sites at birth, T={T}: {what}",
-                     "bytes": nbytes, "fused_us": t * 1e6, "fused_gb_s": nbytes / t / 1e9, "ok": True})
+                     "bytes": nbytes, "fused_us": t * 1e6, "fused_gb_s": nbytes / t / 1e9, "ok": ok})
         print(f"  layer, {what:28s} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.1f} GB/s", flush=True)
     mod._PLANS.clear()
     return rows
