@@ -52,7 +52,7 @@ _device_function = helper_jit(INTERPRET)     # the helpers below: plain function
 
 INF = tl.constexpr(float("inf"))
 TINY = tl.constexpr(1e-300)          # the torch version's clamp_min; a float64 constant for Triton (< float32 range)
-N_PARTS = 7                          # num, den, aa, ab, mx, a_bad, b_bad: what a split row's programs hand over
+N_PARTS = 7                          # num, den, aa, ab, mx, a_bad, b_bad: what each piece's program hands over
 METRICS = ("rel_l2", "max_abs", "nmse", "cosine")   # the order of the rows of `out` (as metrics.METRICS)
 
 SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -166,8 +166,9 @@ def _site_of(table_ptr, n_sites, pid, N_COLS: tl.constexpr, FIRST: tl.constexpr)
 
 # Fields of one site in `_sites_kernel`'s table (int64): rows R = S * T and T, elements per row X, both tensors'
 # strides (X = X1 * X2 when a row is two strided runs: a_X2, a_sx1, a_sx2), its first program, the pieces per row
-# and the steps of BLOCK_X elements per piece, and where its pieces' sums start in `part`. Nothing in it depends on where the tensors lie (they are the
-# launch's arguments), so a kept plan uploads it once. `_combine_kernel`'s table: COMBINE_FIELDS.
+# and the steps of BLOCK_X elements per piece, and where its pieces' sums start in `part`. Nothing in it depends on
+# where the tensors lie (they are the launch's arguments), so a kept plan uploads it once. `_combine_kernel`'s
+# table: COMBINE_FIELDS.
 FIELDS = ("R", "T", "X", "a_ss", "a_st", "a_X2", "a_sx1", "a_sx2", "b_ss", "b_st", "b_X2", "b_sx1", "b_sx2",
           "first", "split", "steps", "part_off")
 COMBINE_FIELDS = ("R", "split", "part_off", "out_off", "first")
@@ -235,7 +236,8 @@ def _sites_kernel(
     num, den, aa, ab, mx, a_bad, b_bad = _row_sums(
         a_ptr, b_ptr, f, rows, row_ok, step0, tl.minimum(steps, (X + BLOCK_X - 1) // BLOCK_X - step0),
         A_TWO, A_VEC, B_TWO, B_VEC, X_VEC, ROWS, BLOCK_X)
-    _store_parts(part_ptr + tl.load(f + 16) + piece * R, rows, row_ok, split * R, num, den, aa, ab, mx, a_bad, b_bad)
+    _store_parts(part_ptr + tl.load(f + 16) + piece * R, rows, row_ok, split * R,
+                 num, den, aa, ab, mx, a_bad, b_bad)
 
 
 @triton.jit
@@ -336,8 +338,9 @@ def site_errors_sites(pairs: list) -> list[dict]:
 class _Plan:
     """How a list of (dev, ref) pairs, ready for the kernel, is measured: the launches (each at most
     SITES_PER_LAUNCH like pairs: their indices, options and table, on the device from the first call on), one
-    combine launch that turns every site's piece sums into its metrics, and where each pair's [4, S, T] metrics lie in the one result
-    block. A call hands each launch its pairs' tensors. config: one cut for every pair instead of `plan`'s."""
+    combine launch that turns every site's piece sums into its metrics, and where each pair's [4, S, T] metrics lie
+    in the one result block. A call hands each launch its pairs' tensors. config: one cut for every pair instead of
+    `plan`'s."""
 
     def __init__(self, ready: list, lays: list, config: dict | None = None):
         self.shapes = [tuple(b.shape[:2]) for _, b in ready]
