@@ -140,14 +140,18 @@ def find_first_divergence(res: CompareResult) -> Optional[dict]:
     key = order[int(torch.nonzero(hit[:, t])[0])]
     seq = int(torch.nonzero(res.exceed(key)[:, t])[0])
     info = res.token_infos(seq)[t]
-    err = float(res.errors[key]["rel_l2"][seq, t])
     layer, site = key
     return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": info.ubatch,
             "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
-            "error": err if math.isfinite(err) else "inf",
-            "threshold": res.thresholds[key], "nan": not math.isfinite(err),
+            **error_fields(float(res.errors[key]["rel_l2"][seq, t])), "threshold": res.thresholds[key],
             "on_device": layer is not None and res.placement.on_device(layer)
             or layer is None and res.placement.head_on_device}
+
+
+def error_fields(err: float) -> dict:
+    """A first divergence's error as the JSON result writes it: the float, or "inf" with nan true when it is not
+    finite (a NaN or Inf was born there)."""
+    return {"error": err if math.isfinite(err) else "inf", "nan": not math.isfinite(err)}
 
 
 def json_num(x: float):
@@ -157,8 +161,8 @@ def json_num(x: float):
 
 
 def json_safe(obj):
-    """obj with every non-finite float written as json_num writes it (dicts, lists and tuples walked): for the
-    engines' own records (llama.cpp's local errors), whose floats may be inf or NaN."""
+    """obj with every non-finite float written as json_num writes it (dicts, lists and tuples walked): for records
+    whose floats may be inf or NaN (llama.cpp's local errors)."""
     if isinstance(obj, float):
         return json_num(obj)
     if isinstance(obj, dict):

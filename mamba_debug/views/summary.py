@@ -81,7 +81,7 @@ def to_json(res: CompareResult) -> dict:
                    "seqs_per_ubatch": s.seqs_per_ubatch(),
                    **({"llama_cpp": json_safe(res.sides["device"].extra)} if res.sides["device"].extra else {}),
                    **split_config(res.placement)},
-        "first_divergence": json_safe(_with_node(fd, res.sides["device"].extra)),
+        "first_divergence": _with_node(fd, res.sides["device"].extra),
         **({"precision": res.precision["items"] if res.precision else [],
             "precision_summary": {k: v for k, v in res.precision.items() if k != "items"} if res.precision else None}
            if res.judged else {}),
@@ -209,10 +209,10 @@ def _token_clause(fd, loc: dict) -> str:
     born = tok["first_over"]
     if born is not None:
         return (at + f": first node past the FP32 floor {tok['limit']:.2g} there: {_node_at(born)} at "
-                     f"{born['error']:.3g}, the error is born there")
+                     f"{_fmt(born['error'], '.3g')}, the error is born there")
     w = tok["worst"]
     text = at + f": every one of its {tok['nodes']} recomputed nodes up to '{tok['upto']['site']}' within the FP32 " \
-                f"floor {tok['limit']:.2g}" + (f" (worst {_node_at(w)} at {w['error']:.2g})" if w else "")
+                f"floor {tok['limit']:.2g}" + (f" (worst {_node_at(w)} at {_fmt(w['error'], '.2g')})" if w else "")
     buts = _caveats(fd, tok, loc)
     if buts:
         return text + ", but " + "; ".join(buts)
@@ -230,7 +230,7 @@ def _caveats(fd: dict, tok: dict, loc: dict) -> list:
         out.append(f"{tok['not_recomputed']} node(s) before it are not recomputed")
     if not tok["site_measured"]:
         out.append(f"'{tok['upto']['site']}' itself is not recomputed")
-    if fd.get("nan") or fd.get("error") in ("inf", "nan") or fd.get("error") != fd.get("error"):
+    if fd.get("nan"):
         out.append("the divergence is not finite")
     if fd.get("by"):                    # named by a whole-node local error (precision.refine)
         out.append(f"the divergence is named by a whole-node local error: {fd['by']}")
@@ -248,8 +248,9 @@ def _ref_where(ref_device: str) -> str:
     return "CPU" if ref_device == "cpu" else f"torch ops on {ref_device}"
 
 
-def _fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+def _fmt(v, spec: str = ".4g"):
+    """A JSON-safe number: a float formatted, or "inf"/"nan" as trace.json_num writes them."""
+    return format(v, spec) if isinstance(v, float) else str(v)
 
 
 def _with_node(fd, extra):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ...trace import error_fields, json_safe
+
 SWITCHES = {"cuBLAS": "NVIDIA_TF32_OVERRIDE=0 (or --fp32-everywhere) makes cuBLAS FP32",
             "mmf": "no switch: the mmf tile kernel's TF32 MMA is inline PTX; -ub / sequences <= 3 tokens each "
                    "avoid it (the FP32 vector kernel runs instead)"}
@@ -59,7 +61,7 @@ def _at_node(res, f: dict) -> dict:
     info = infos[t]
     return {"token": t, "seq": seq, "layer": f["layer"], "site": f["site"], "ubatch": info.ubatch,
             "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
-            "error": f["error"], "threshold": f["threshold"], "nan": f["error"] != f["error"],
+            **error_fields(f["error"]), "threshold": f["threshold"],
             "on_device": True, "by": f"local error of node {f['name']} ({f['op']}, {f['path']})"}
 
 
@@ -80,13 +82,14 @@ def refine(res, fd: Optional[dict], local) -> Optional[dict]:
     if born is not None and (born["layer"], born["site"]) == (fd["layer"], fd["site"]):
         out = fd
     elif born is not None:
-        out = {**fd, "layer": born["layer"], "site": born["site"], "error": born["error"], "threshold": tok["limit"],
+        out = {**fd, "layer": born["layer"], "site": born["site"], **error_fields(born["error"]),
+               "threshold": tok["limit"],
                "by": f"per-token local error of node {born['name']} ({born['op']}, {born['path']}) at seq "
                      f"{fd['seq']}, token {fd['token']}: the first node past the float32 floor of one op at that "
                      f"token; '{fd['site']}' at layer {fd['layer']} consumes it"}
     else:
         out = _whole_node(res, fd, local)
-    return out if tok is None else {**out, "token_local": tok}
+    return out if tok is None else {**out, "token_local": json_safe(tok)}
 
 
 def _whole_node(res, fd: dict, local) -> dict:
@@ -99,6 +102,6 @@ def _whole_node(res, fd: dict, local) -> dict:
     at = local.index_of.get((fd["ubatch"], group, fd["layer"], fd["site"]))
     if first["ubatch"] != fd["ubatch"] or at is None or first["index"] >= at:
         return fd
-    return {**fd, "layer": first["layer"], "site": first["site"], "error": first["error"],
+    return {**fd, "layer": first["layer"], "site": first["site"], **error_fields(first["error"]),
             "threshold": first["threshold"], "by": f"local error of node {first['name']} ({first['op']}): the "
             f"first node past the float32 floor of one op; '{fd['site']}' at layer {fd['layer']} consumes it"}
