@@ -73,9 +73,10 @@ def cell(model, ids, n_gen=N_GEN, **kw) -> dict:
     return {**{k: v for k, v in kw.items() if k != "llama_lib"}, "seconds": round(time.perf_counter() - t0, 2),
             "verdict": j["verdict"] if isinstance(j["verdict"], str) else j["verdict"].get("text", str(j["verdict"])),
             "first_divergence": None if fd is None else {k: fd.get(k) for k in ("seq", "token", "layer", "site", "by")},
-            "token_local": None if fd is None else fd.get("token_local"),     # per-token local evidence at fd
+            # per-token local evidence at fd, or at the divergence a precision verdict explained
+            "token_local": (fd or (j.get("precision_summary") or {}).get("drift_from") or {}).get("token_local"),
             "local_line": local_line(res),
-            "precision": j.get("precision"),
+            "precision": j.get("precision"), "precision_text": (j.get("precision_summary") or {}).get("text"),
             "logits_rel_l2_max": _max_logit_err(res), "kld_max": j["logits"]["kld_max"],
             "top1": j["logits"]["top1_agreement"],
             "matmul_paths": {f"{b}:{p}": c for (b, p), c in paths.items()},
@@ -209,7 +210,8 @@ def main():
     print("\ndevice ngl  ub  S  verdict / first divergence                          logit err   paths")
     for r in rows:
         fd = r.get("first_divergence")
-        what = r.get("error") or (f"{fd['layer']}.{fd['site']} tok {fd['token']} seq {fd['seq']}" if fd else "clean")
+        what = r.get("error") or (f"{fd['layer']}.{fd['site']} tok {fd['token']} seq {fd['seq']}" if fd else
+                                  "precision" if r.get("precision_text") else "clean")
         print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  {what[:50]:50} "
               f"{r.get('logits_rel_l2_max') or 0:9.2e}   {r.get('matmul_paths')}")
     print("\ndevice ngl  ub  S  local      fp32  traced s  untraced s  x untraced  replay s  cell s")

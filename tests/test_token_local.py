@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mamba_debug.sides.llamacpp.local import FP32_FLOOR, LocalErrors
-from mamba_debug.sides.llamacpp.precision import refine
+import torch
+
+from mamba_debug.sides.llamacpp.local import FP32_FLOOR, ORACLE_MARGIN, LocalErrors
+from mamba_debug.sides.llamacpp.precision import DRIFT_LIMIT, refine, settle
 from mamba_debug.sides.llamacpp.token_rows import layout, rows_and_whole
 from mamba_debug.views.summary import _token_clause
 
@@ -169,7 +171,7 @@ def test_mul_mat_rows_on_torch_are_numpys():
         le = LocalErrors(K, device=device)
         le.ubatch_shape = (S, T)
         le.add(node("MUL_MAT", 0, "xz", 4, ne=(512, T, S, 1)), [w, x], got, 0)
-        rows.append(le.tokens[(0, 0)]["nodes"][0][-1])
+        rows.append(le.tokens[(0, 0)]["nodes"][0][7])
         assert le.worst_token["0.xz"][1:] == [0, 1, 6]
     np.testing.assert_allclose(rows[1], rows[0], rtol=1e-9, atol=1e-12)
 
@@ -215,3 +217,77 @@ def test_a_nan_made_from_finite_inputs_is_born_there_not_inherited():
     assert rel_l2(got, want) == np.inf
     assert np.isnan(rel_l2(want, np.where(got != got, np.nan, want)))
     assert rel_l2(want, want) == 0.0
+
+
+def ill_conditioned_mul_mat(fault=0.0, device=None):
+    """A MUL_MAT whose row at (seq 2, token 5) nearly cancels: x there lies in the null space of w but for a 1e-4
+    part, so every output is ~1e-4 of its terms and float32 rounding is ~1e4 ulps of it in any implementation. `got`
+    is a float32 implementation of its own (products rounded, summed one term after another), plus `fault` x the
+    row's norm on one value of that row. Returns (LocalErrors, the row's error)."""
+    rng = np.random.default_rng(5)
+    Kd, M = 64, 32
+    w = rng.standard_normal((1, 1, M, Kd)).astype(np.float32).astype(np.float64)
+    x = rng.standard_normal((1, S, T, Kd))
+    q, _ = np.linalg.qr(w[0, 0].T, mode="complete")            # columns M.. span w's null space
+    x[0, 2, 5] = q[:, M:] @ rng.standard_normal(Kd - M) + 1e-4 * rng.standard_normal(Kd)
+    x = x.astype(np.float32)
+    got = np.zeros((1, S, T, M), dtype=np.float32)
+    for k in range(Kd):                                        # float32, sequential: not numpy's order
+        got += x[..., k, None] * w[0, 0, None, :, k].astype(np.float32)
+    want = np.matmul(x.astype(np.float64), np.swapaxes(w, -1, -2))
+    if fault:
+        got = with_fault(got.astype(np.float64), (0, 2, 5), fault).astype(np.float32)
+    le = LocalErrors(K, device=device)
+    le.ubatch_shape = (S, T)
+    le.add(node("MUL_MAT", 0, "x_proj", 4, ne=(M, T, S, 1)), [w, x], got, 0)
+    row = np.linalg.norm(got[0, 2, 5] - want[0, 2, 5]) / np.linalg.norm(want[0, 2, 5])
+    return le, float(row)
+
+
+def clean_result(excess=2.0):
+    """A run whose only site ('x_proj' at layer 0) passes its threshold 1e-5 by `excess` at (seq 2, token 5)."""
+    err = torch.zeros(S, T, dtype=torch.float64)
+    err[2, 5] = excess * 1e-5
+    return SimpleNamespace(errors={(0, "x_proj"): {"rel_l2": err}}, thresholds={(0, "x_proj"): 1e-5})
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])          # numpy, and torch (the GPU path of a CUDA run)
+def test_an_ill_conditioned_row_is_explained_by_the_float32_recompute(device):
+    """The row errs far past the flat FP32 floor in a float32 implementation with no fault: the independent float32
+    recompute errs as much there, so the node is not where an error is born, and the summary says why."""
+    le, row = ill_conditioned_mul_mat(device=device)
+    tok = le.at_token(0, 2, 5, 0, "x_proj")
+    assert row > 30 * LIMIT                                   # the flat floor alone would call it a fault
+    assert tok["first_over"] is None and tok["within_floor"] and len(tok["explained"]) == 1
+    e = tok["explained"][0]
+    assert e["error"] == pytest.approx(row, rel=1e-6) and e["error"] <= ORACLE_MARGIN * e["fp32_recompute"]
+    assert e["fp32_recompute"] > LIMIT                        # numpy's / torch's float32 errs as much: conditioning
+    assert le.at_token(0, 2, 4, 0, "x_proj")["explained"] == []      # a well-conditioned token: within the floor
+    text = _token_clause(refine(clean_result(), fd_at(2, 5, site="x_proj"), le), {})
+    assert "independent float32 recompute" in text and "the row's own conditioning" in text
+
+
+def test_a_fault_on_an_ill_conditioned_row_is_still_born_there():
+    """A fault of 1e-2 of the row's norm on the same row: far past ORACLE_MARGIN x the float32 recompute's error."""
+    le, _ = ill_conditioned_mul_mat(fault=1e-2)
+    tok = le.at_token(0, 2, 5, 0, "x_proj")
+    assert tok["first_over"]["name"] == "node_4" and tok["explained"] == []
+
+
+def test_rounding_drift_with_every_node_explained_is_a_precision_verdict():
+    """settle (every ubatch's local errors at hand): a divergence whose token has every node within the floor or
+    explained, nothing past it over the run and no site past DRIFT_LIMIT x its threshold is float32 rounding, not a
+    divergence; a site anywhere past DRIFT_LIMIT x its threshold (an error no node makes: a state read from the
+    wrong slot) keeps the divergence, as does a fault at the token."""
+    le, _ = ill_conditioned_mul_mat()
+    fd, prec = settle(clean_result(), fd_at(2, 5, site="x_proj"), le)
+    assert fd is None and prec["text"].startswith("float32 rounding: 'x_proj' at layer 0")
+    assert prec["drift_from"]["site"] == "x_proj" and prec["items"][0]["node"] == "node_4"
+    assert prec["worst_excess"] == pytest.approx(2.0)
+    gross = clean_result()
+    gross.errors[(0, "x_proj")]["rel_l2"][0, 7] = 2 * DRIFT_LIMIT * 1e-5
+    fd, prec = settle(gross, fd_at(2, 5, site="x_proj"), le)
+    assert prec is None and fd["site"] == "x_proj"
+    faulty, _ = ill_conditioned_mul_mat(fault=1e-2)
+    fd, prec = settle(clean_result(), fd_at(2, 5, site="x_proj"), faulty)
+    assert prec is None and fd["token_local"]["first_over"]["name"] == "node_4"

@@ -180,7 +180,8 @@ def local_line(res: CompareResult):
     if not loc or not loc.get("max_per_node"):
         return None
     head = f"local     each node's op recomputed in float64 from its own inputs ({len(loc['max_per_node'])} nodes)"
-    return head + _whole_node_clause(loc) + _token_clause(res.first_divergence, loc)
+    at = res.first_divergence or (res.precision or {}).get("drift_from")     # a divergence precision explained
+    return head + _whole_node_clause(loc) + _token_clause(at, loc)
 
 
 def _whole_node_clause(loc: dict) -> str:
@@ -213,6 +214,11 @@ def _token_clause(fd, loc: dict) -> str:
     w = tok["worst"]
     text = at + f": every one of its {tok['nodes']} recomputed nodes up to '{tok['upto']['site']}' within the FP32 " \
                 f"floor {tok['limit']:.2g}" + (f" (worst {_node_at(w)} at {_fmt(w['error'], '.2g')})" if w else "")
+    if tok.get("explained"):
+        e = max(tok["explained"], key=lambda r: r["error"])
+        text += (f" or within {tok['oracle_margin']:g}x what an independent float32 recompute errs on the same "
+                 f"inputs ({len(tok['explained'])} node(s); {_node_at(e)} {_fmt(e['error'], '.3g')} against "
+                 f"{_fmt(e['fp32_recompute'], '.3g')}: the row's own conditioning)")
     buts = _caveats(fd, tok, loc)
     if buts:
         return text + ", but " + "; ".join(buts)

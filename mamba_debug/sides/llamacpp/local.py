@@ -12,6 +12,13 @@ k x FP32_FLOOR, TF32 paths (CUDA's mmf tile kernel and cuBLAS on its TF32 handle
 
 Besides the whole-node error (one rel. L2 over every token of the ubatch), each node with a token axis keeps its
 per-token errors (token_rows.py): an error at one token is diluted in the whole node, not in its row.
+
+A flat floor ignores conditioning: a row whose result is small against its terms (SSM_SCAN's y at a fresh
+sequence's first token, y = dt x (B . C) with B . C cancelling) errs by many ulps in any float32 implementation. So
+where a node's row passes the floor, the op is recomputed once more in float32 from the same inputs (numpy, or
+torch on the GPU for MUL_MAT): that independent implementation's error at the row is what float32 gives there, and a
+row within ORACLE_MARGIN of it is precision, not a fault (`at_token`'s `explained`). A fault (a wrong index, a
+strided view read as contiguous) errs by orders of magnitude more.
 """
 from __future__ import annotations
 
@@ -27,6 +34,10 @@ FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps)
 # mmf truncates its operands). A TF32 node is excused up to this; beyond it, it is a fault like any other.
 TF32_FLOOR = 1.2e-3
 TF32_LIMIT = 4 * TF32_FLOOR
+# Two float32 implementations of one op on the same row differ by their order of sums and their exp: a few times at
+# most on rows of thousands of values (the rel. L2 averages each value's rounding). Past this multiple of the
+# independent float32 recompute's error, a row's error is the node's own fault.
+ORACLE_MARGIN = 4.0
 OPS = ("RMS_NORM", "MUL_MAT", "SSM_CONV", "SSM_SCAN", "SILU", "SWIGLU", "MUL", "ADD", "CONT", "CPY", "GET_ROWS",
        "CONCAT", "SCALE")
 
@@ -187,11 +198,11 @@ class LocalErrors:
         self.place(node, u, first_seq)
         if node.op not in OPS:
             return
-        rows = None
+        rows = oracle = None
         err = None if any(a is None for a in srcs) else self._error(node, srcs, got)
         if isinstance(err, tuple):
-            err, rows = err
-        self._keep_rows(node, path, err, rows, u, first_seq)
+            err, rows, oracle = err
+        self._keep_rows(node, path, err, rows, oracle, u, first_seq)
         if err is None:
             return
         site = node.site or node.op
@@ -212,13 +223,15 @@ class LocalErrors:
             if old is None or err > old["error"]:
                 self.excused[(key, path)] = {**where, "floor": TF32_FLOOR, "limit": limit, "index": node.index}
 
-    def _keep_rows(self, node, path: str, err, rows, u: int, first_seq: int):
-        """Keep what at_token reads: per node of the ubatch its per-token errors (S, T), else its whole-node error,
-        else None (not recomputed). A graph of an (ubatch, group) seen before replaces the old one."""
+    def _keep_rows(self, node, path: str, err, rows, oracle, u: int, first_seq: int):
+        """Keep what at_token reads: per node of the ubatch its per-token errors (S, T) and, where a row passed the
+        floor, the float32 recompute's (S, T); else its whole-node error, else None (not recomputed). A graph of an
+        (ubatch, group) seen before replaces the old one."""
         if self.ubatch_shape is None:
             return
         rec = self.tokens.setdefault((u, first_seq), {"shape": self.ubatch_shape, "nodes": []})
-        rec["nodes"].append((node.index, node.layer, node.site or node.op, node.op, node.name, path, err, rows))
+        rec["nodes"].append((node.index, node.layer, node.site or node.op, node.op, node.name, path, err, rows,
+                             oracle))
 
     def _worst_token(self, key: str, rows: np.ndarray, u: int, first_seq: int):
         i = int(np.argmax(np.where(np.isnan(rows), -np.inf, rows)))       # NaN: inherited (token_rows.ratio)
@@ -231,10 +244,11 @@ class LocalErrors:
     def at_token(self, u: int, seq: int, t: int, layer, site) -> Optional[dict]:
         """The per-token local evidence at token t (its index in the ubatch) of sequence seq in ubatch u: over the
         nodes of that ubatch and group of sequences up to and including node (layer, site), in graph order, the
-        largest per-token local error and the first node past k x FP32_FLOOR there. Nodes without a token axis are
-        counted apart with their whole-node error. `earlier_over`: the first node past the floor at an earlier token
-        of the same sequence in this ubatch (an error born there reaches token t through the states). None where
-        that ubatch or node was not recorded."""
+        largest per-token local error and the first node past k x FP32_FLOOR there that its float32 recompute does
+        not explain (`explained`: the nodes past the floor within ORACLE_MARGIN x that recompute's error). Nodes
+        without a token axis are counted apart with their whole-node error. `earlier_over`: the first such node at
+        an earlier token of the same sequence in this ubatch (an error born there reaches token t through the
+        states). None where that ubatch or node was not recorded."""
         hit = [(g, rec) for (uu, g), rec in self.tokens.items()
                if uu == u and g <= seq < g + rec["shape"][0] and t < rec["shape"][1]]
         upto = self.index_of.get((u, hit[0][0], layer, site)) if hit else None
@@ -242,24 +256,29 @@ class LocalErrors:
             return None
         g, rec = hit[0]
         limit = self.k * FP32_FLOOR
-        tok, whole, n_none, own, earlier = [], [], 0, False, None
-        for index, n_layer, n_site, op, name, path, err, rows in rec["nodes"]:
+        tok, whole, explained, n_none, own, earlier = [], [], [], 0, False, None
+        for index, n_layer, n_site, op, name, path, err, rows, oracle in rec["nodes"]:
             if index > upto:
                 break
             where = {"layer": n_layer, "site": n_site, "op": op, "name": name, "path": path}
             if rows is not None:
-                tok.append({**where, "error": float(rows[seq - g, t])})
+                over = _unexplained(rows[seq - g], None if oracle is None else oracle[seq - g], limit)
+                item = {**where, "error": float(rows[seq - g, t])}
+                if item["error"] > limit and not over[t]:
+                    explained.append({**item, "fp32_recompute": float(oracle[seq - g, t])})
+                    item["explained"] = True
+                tok.append(item)
                 own |= index == upto
-                before = np.nan_to_num(rows[seq - g, :t], nan=0.0)     # NaN: inherited
-                if earlier is None and before.size and before.max() > limit:
-                    j = int(before.argmax())
-                    earlier = {**where, "token_in_ubatch": j, "error": float(before[j])}
+                j = int(np.argmax(over[:t])) if t else 0
+                if earlier is None and t and over[j]:
+                    earlier = {**where, "token_in_ubatch": j, "error": float(rows[seq - g, j])}
             elif err is not None:
                 whole.append({**where, "error": err})
             else:
                 n_none += 1
         return {"ubatch": u, "seq": seq, "token_in_ubatch": t, "upto": {"layer": layer, "site": site},
                 "limit": limit, "nodes": len(tok), "site_measured": own, **_evidence(tok, limit),
+                "explained": explained, "oracle_margin": ORACLE_MARGIN,
                 "whole_node_only": {"nodes": len(whole), **_evidence(whole, limit)}, "not_recomputed": n_none,
                 "earlier_over": earlier}
 
@@ -282,7 +301,15 @@ class LocalErrors:
         if lay is None:
             return rel_l2(got, want)
         rows, whole = rows_and_whole(got, want, lay, *shape)
-        return (rel_l2(got, want) if whole is None else whole), rows
+        oracle = None
+        if self._passes_floor(rows):            # what an independent float32 implementation errs on these rows
+            want32 = recompute(node.op, [a.astype(np.float32) for a in srcs], got.shape,
+                               node.extra.get("op_params", ()))
+            oracle = rows_and_whole(want32.astype(np.float64), want, lay, *shape)[0]
+        return (rel_l2(got, want) if whole is None else whole), rows, oracle
+
+    def _passes_floor(self, rows: np.ndarray) -> bool:
+        return bool((np.nan_to_num(rows, nan=0.0) > self.k * FP32_FLOOR).any())
 
     def _mul_mat_error(self, srcs: list, got: np.ndarray, lay=None):
         """MUL_MAT recomputed in float64 by torch on `device`: on a GPU a 2.8B model's matmuls take ~0.1 ms there
@@ -307,7 +334,13 @@ class LocalErrors:
             return err
         S, T = self.ubatch_shape
         num2, den2 = (v.cpu().numpy() for v in flat_sums(g, want, S * T, lay[1]))
-        return err, ratio(num2, den2).reshape(S, T)
+        rows = ratio(num2, den2).reshape(S, T)
+        oracle = None
+        if self._passes_floor(rows):            # torch's float32 matmul (no TF32) from the same inputs
+            want32 = torch.matmul(x.float(), w.float().transpose(-1, -2)).double()
+            num2, den2 = (v.cpu().numpy() for v in flat_sums(want32, want, S * T, lay[1]))
+            oracle = ratio(num2, den2).reshape(S, T)
+        return err, rows, oracle
 
     def _tensor(self, a: np.ndarray):
         """a as a float64 tensor on `device`; a weight (1 MB or more: the same array every ubatch) is moved once."""
@@ -330,8 +363,20 @@ class LocalErrors:
 
 
 def _evidence(items: list, limit: float) -> dict:
-    """The largest error of the items (NaN: inherited, ranked last), the first past `limit` in graph order, and
-    whether all are within it."""
+    """The largest error of the items (NaN: inherited, ranked last), the first past `limit` in graph order that its
+    float32 recompute does not explain, and whether there is none."""
     worst = max(items, key=lambda r: -np.inf if r["error"] != r["error"] else r["error"], default=None)
-    first = next((r for r in items if r["error"] > limit), None)
+    first = next((r for r in items if r["error"] > limit and not r.get("explained")), None)
+    if worst is not None:
+        worst = {k: v for k, v in worst.items() if k != "explained"}
+    if first is not None:
+        first = {k: v for k, v in first.items() if k != "explained"}
     return {"worst": worst, "first_over": first, "within_floor": first is None}
+
+
+def _unexplained(errors: np.ndarray, oracle, limit: float) -> np.ndarray:
+    """Per token of one sequence's row of errors: past `limit` and, where the float32 recompute ran, past
+    ORACLE_MARGIN x its error there (NaN, inherited, is never past)."""
+    e = np.nan_to_num(errors, nan=0.0)
+    over = e > limit
+    return over if oracle is None else over & (e > ORACLE_MARGIN * np.nan_to_num(oracle, nan=np.inf))

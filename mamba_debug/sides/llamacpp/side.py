@@ -26,7 +26,7 @@ from .lib import EvalCallback, LogCallback, load_library
 from .observe import Tracer, graph_nodes
 from .reference import derived_sites
 from .local import CUBLAS_FP32, LocalErrors, path_of
-from .precision import judge, refine
+from .precision import judge, refine, settle
 from .maps import LAYER_SITES as OTHER_SITES
 from .maps import NOT_OBSERVED, layer_kinds
 from .nodes import HEAD_SITES, LAYER_SITES
@@ -284,7 +284,7 @@ class LlamaCppSide:
     def _verdict(self, res):
         """The verdict from this run's local errors: precision.judge, then (no reduced-precision node) refine."""
         fd, prec = judge(res, self.local)
-        return refine(res, fd, self.local) if prec is None and not self.local.reduced else fd, prec
+        return settle(res, fd, self.local) if prec is None and not self.local.reduced else (fd, prec)
 
     def _replay(self, fd: Optional[dict]):
         """The schedule again, traced: from the start of fd's group of sequences up to fd's ubatch, or every group
