@@ -18,6 +18,7 @@ from mamba_debug.views.summary import _token_clause
 
 S, T, K = 3, 8, 10.0            # sequences, tokens per sequence in the ubatch, k_floor
 LIMIT = K * FP32_FLOOR
+DEVICES = [None, "cpu"] + (["cuda"] if torch.cuda.is_available() else [])   # numpy; torch (a CUDA run's MUL_MAT)
 EPS = struct.unpack("i", struct.pack("f", 1e-5))[0]
 
 
@@ -251,7 +252,7 @@ def clean_result(excess=2.0):
     return SimpleNamespace(errors={(0, "x_proj"): {"rel_l2": err}}, thresholds={(0, "x_proj"): 1e-5})
 
 
-@pytest.mark.parametrize("device", [None, "cpu"])          # numpy, and torch (the GPU path of a CUDA run)
+@pytest.mark.parametrize("device", DEVICES)                # numpy, and torch (the GPU path of a CUDA run)
 def test_an_ill_conditioned_row_is_explained_by_the_float32_recompute(device):
     """The row errs far past the flat FP32 floor in a float32 implementation with no fault: the independent float32
     recompute errs as much there, so the node is not where an error is born, and the summary says why."""
@@ -291,3 +292,31 @@ def test_rounding_drift_with_every_node_explained_is_a_precision_verdict():
     faulty, _ = ill_conditioned_mul_mat(fault=1e-2)
     fd, prec = settle(clean_result(), fd_at(2, 5, site="x_proj"), faulty)
     assert prec is None and fd["token_local"]["first_over"]["name"] == "node_4"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_ill_conditioned_whole_node_is_explained_not_a_fault(device):
+    """A decode step's node is one token: its whole-node error is that token's. An ill-conditioned one (the same
+    nearly cancelling row, alone) passes the flat floor in any float32 implementation: explained by the float32
+    recompute, it is neither `first_over` nor `first_fault`; with a real fault it is both."""
+    rng = np.random.default_rng(6)
+    Kd, M = 64, 32
+    w = rng.standard_normal((1, 1, M, Kd)).astype(np.float32).astype(np.float64)
+    q, _ = np.linalg.qr(w[0, 0].T, mode="complete")
+    x = (q[:, M:] @ rng.standard_normal(Kd - M) + 1e-4 * rng.standard_normal(Kd)).reshape(1, 1, 1, Kd)
+    x = x.astype(np.float32)
+    got = np.zeros((1, 1, 1, M), dtype=np.float32)
+    for k in range(Kd):
+        got += x[..., k, None] * w[0, 0, None, :, k].astype(np.float32)
+    for fault, explained in ((0.0, True), (1e-2, False)):
+        g = with_fault(got.astype(np.float64), (0, 0, 0), fault).astype(np.float32) if fault else got
+        le = LocalErrors(K, device=device)
+        le.add(node("MUL_MAT", 0, "x_proj", 4, ne=(M, 1, 1, 1)), [w, x], g, 0)
+        assert le.worst["0.x_proj"] > 30 * LIMIT
+        assert (le.first is None and le.fault is None) == explained
+        assert bool(le.to_dict()["explained"]) == explained
+    from mamba_debug.views.summary import _whole_node_clause
+    le = LocalErrors(K)
+    le.add(node("MUL_MAT", 0, "x_proj", 4, ne=(M, 1, 1, 1)), [w, x], got, 0)
+    text = _whole_node_clause(le.to_dict())
+    assert "or within 4x an independent float32 recompute of its op (1 node(s); layer 0 'x_proj'" in text, text

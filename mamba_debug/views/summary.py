@@ -188,7 +188,13 @@ def _whole_node_clause(loc: dict) -> str:
     first = loc.get("first_fault") or loc.get("first_over")      # past its own path's limit, else the FP32 floor
     if first is None:
         key, err = max(loc["max_per_node"].items(), key=lambda kv: kv[1])
-        return f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
+        text = f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
+        if loc.get("explained"):            # past the floor, within a few x what float32 itself errs there
+            e = max(loc["explained"], key=lambda r: r["error"])
+            text = (f": every one within the FP32 floor {loc['threshold']:.2g} or within {loc['oracle_margin']:g}x "
+                    f"an independent float32 recompute of its op ({len(loc['explained'])} node(s); {_node_at(e)} "
+                    f"{e['error']:.3g} against {e['fp32_recompute']:.3g}: conditioning)")
+        return text
     where = f"layer {first['layer']}" if first["layer"] is not None else "outside the layers"
     fault = loc.get("first_fault") is not None
     why = ("the error is born there; the nodes after it inherit" if fault else

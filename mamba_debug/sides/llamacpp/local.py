@@ -177,6 +177,7 @@ class LocalErrors:
         self.worst: dict = {}
         self.first = self.fault = None
         self.excused: dict = {}
+        self.explained: dict = {}       # node key -> its worst whole-node error within ORACLE_MARGIN x float32's own
         self.reduced = False            # did any node run on a reduced-precision path
         self.index_of: dict = {}        # (ubatch, first_seq, layer, site) -> the node's index in its graph
         self.ubatch_shape = None        # (S, T) of the ubatch being decoded: `begin`, before each decode
@@ -198,10 +199,8 @@ class LocalErrors:
         self.place(node, u, first_seq)
         if node.op not in OPS:
             return
-        rows = oracle = None
-        err = None if any(a is None for a in srcs) else self._error(node, srcs, got)
-        if isinstance(err, tuple):
-            err, rows, oracle = err
+        measured = None if any(a is None for a in srcs) else self._error(node, srcs, got)
+        err, rows, oracle, oracle_err = measured or (None, None, None, None)
         self._keep_rows(node, path, err, rows, oracle, u, first_seq)
         if err is None:
             return
@@ -212,6 +211,11 @@ class LocalErrors:
             self._worst_token(key, rows, u, first_seq)
         where = {"ubatch": u, "first_seq": first_seq, "layer": node.layer, "site": site, "op": node.op,
                  "name": node.name, "path": path, "error": err}
+        if oracle_err is not None and err > self.k * FP32_FLOOR and err <= ORACLE_MARGIN * oracle_err:
+            old = self.explained.get(key)           # conditioning: float32 itself errs as much on these inputs
+            if old is None or err > old["error"]:
+                self.explained[key] = {**where, "fp32_recompute": oracle_err}
+            return
         if self.first is None and err > self.k * FP32_FLOOR:
             self.first = {**where, "threshold": self.k * FP32_FLOOR, "index": node.index}
         limit = self.k * FP32_FLOOR if path.startswith("fp32") else TF32_LIMIT
@@ -283,39 +287,40 @@ class LocalErrors:
                 "earlier_over": earlier}
 
     def _error(self, node, srcs: list, got: np.ndarray):
-        """The node's local rel. L2, or (it, its per-token errors (S, T)) for a node with a token axis
-        (token_rows.layout), or None where it is not recomputed."""
+        """(the node's local rel. L2, its per-token errors (S, T) or None, and where either passes the floor the
+        same two for an independent float32 recompute from the same inputs, else None, None); None where the node
+        is not recomputed. Per-token errors for a node with a token axis (token_rows.layout)."""
         shape = self.ubatch_shape
         lay = None if shape is None else layout(node.op, got.shape, srcs, *shape)
         if node.op == "MUL_MAT" and self.device is not None:
-            err = self._mul_mat_error(srcs, got, lay)
-            if err is not NO_ROOM:
+            out = self._mul_mat_error(srcs, got, lay)
+            if out is not NO_ROOM:
                 self.mul_mat_on[str(self.device)] += 1
-                return err
+                return out
             self.mul_mat_on["host"] += 1         # the weight does not fit on the GPU in float64: numpy, the same sums
-        want = recompute(node.op, [a.astype(np.float64, copy=False) for a in srcs], got.shape,
-                         node.extra.get("op_params", ()))
+        params = node.extra.get("op_params", ())
+        want = recompute(node.op, [a.astype(np.float64, copy=False) for a in srcs], got.shape, params)
         if want is None or want.shape != got.shape:
             return None
         got = got.astype(np.float64)
-        if lay is None:
-            return rel_l2(got, want)
-        rows, whole = rows_and_whole(got, want, lay, *shape)
-        oracle = None
-        if self._passes_floor(rows):            # what an independent float32 implementation errs on these rows
-            want32 = recompute(node.op, [a.astype(np.float32) for a in srcs], got.shape,
-                               node.extra.get("op_params", ()))
-            oracle = rows_and_whole(want32.astype(np.float64), want, lay, *shape)[0]
-        return (rel_l2(got, want) if whole is None else whole), rows, oracle
+        rows, whole = rows_and_whole(got, want, lay, *shape) if lay is not None else (None, None)
+        err = rel_l2(got, want) if whole is None else whole
+        if not self._passes_floor(err, rows):
+            return err, rows, None, None
+        # what an independent float32 implementation errs on these inputs (conditioning, not a fault, within a few x)
+        want32 = recompute(node.op, [a.astype(np.float32) for a in srcs], got.shape, params).astype(np.float64)
+        oracle = rows_and_whole(want32, want, lay, *shape)[0] if lay is not None else None
+        return err, rows, oracle, rel_l2(want32, want)
 
-    def _passes_floor(self, rows: np.ndarray) -> bool:
-        return bool((np.nan_to_num(rows, nan=0.0) > self.k * FP32_FLOOR).any())
+    def _passes_floor(self, err: float, rows) -> bool:
+        limit = self.k * FP32_FLOOR
+        return err > limit or (rows is not None and bool((np.nan_to_num(rows, nan=0.0) > limit).any()))
 
     def _mul_mat_error(self, srcs: list, got: np.ndarray, lay=None):
         """MUL_MAT recomputed in float64 by torch on `device`: on a GPU a 2.8B model's matmuls take ~0.1 ms there
         against 10-100 ms each in numpy (the float64 weights stream from host memory every ubatch), which made a
         CUDA run at -ub 1 take minutes. The same sums in float64 as `recompute`, to ~1e-15. With a token layout,
-        also the per-token errors (row sums on the device, S x T values back)."""
+        also the per-token errors (row sums on the device, S x T values back); `_error`'s four values."""
         import torch  # noqa: PLC0415 (only on this path)
         w, x = (self._tensor(a) for a in srcs[:2])
         if w is None or x is None:
@@ -329,18 +334,23 @@ class LocalErrors:
         if tuple(want.shape) != got.shape:
             return None
         g = torch.from_numpy(got).to(want.device, torch.float64)
-        err = float(ratio(float((g - want).square().sum()), float(want.square().sum())))   # rel_l2's rules
+        err, rows = self._torch_errors(g, want, lay)
+        if not self._passes_floor(err, rows):
+            return err, rows, None, None
+        # torch's float32 matmul (no TF32) from the same inputs
+        oracle_err, oracle = self._torch_errors(torch.matmul(x.float(), w.float().transpose(-1, -2)).double(), want,
+                                                lay)
+        return err, rows, oracle, oracle_err
+
+    def _torch_errors(self, got, want, lay):
+        """(rel. L2 by rel_l2's rules, per-token errors (S, T) for a flat token layout else None) of two float64
+        tensors on one device."""
+        err = float(ratio(float((got - want).square().sum()), float(want.square().sum())))
         if lay is None or lay[0] != "flat":
-            return err
+            return err, None
         S, T = self.ubatch_shape
-        num2, den2 = (v.cpu().numpy() for v in flat_sums(g, want, S * T, lay[1]))
-        rows = ratio(num2, den2).reshape(S, T)
-        oracle = None
-        if self._passes_floor(rows):            # torch's float32 matmul (no TF32) from the same inputs
-            want32 = torch.matmul(x.float(), w.float().transpose(-1, -2)).double()
-            num2, den2 = (v.cpu().numpy() for v in flat_sums(want32, want, S * T, lay[1]))
-            oracle = ratio(num2, den2).reshape(S, T)
-        return err, rows, oracle
+        num2, den2 = (v.cpu().numpy() for v in flat_sums(got, want, S * T, lay[1]))
+        return err, ratio(num2, den2).reshape(S, T)
 
     def _tensor(self, a: np.ndarray):
         """a as a float64 tensor on `device`; a weight (1 MB or more: the same array every ubatch) is moved once."""
@@ -356,7 +366,8 @@ class LocalErrors:
 
     def to_dict(self) -> dict:
         return {"floor": FP32_FLOOR, "threshold": self.k * FP32_FLOOR, "tf32_limit": TF32_LIMIT,
-                "mul_mat_recomputed_on": dict(self.mul_mat_on),
+                "oracle_margin": ORACLE_MARGIN, "mul_mat_recomputed_on": dict(self.mul_mat_on),
+                "explained": list(self.explained.values()),
                 "first_over": self.first, "first_fault": self.fault,
                 "max_per_node": {k: v for k, v in self.worst.items()},
                 "max_per_token": {k: v for k, v in self.worst_token.items()}}

@@ -251,7 +251,9 @@ class LlamaCppSide:
         """(first_divergence, precision): the precision-aware verdict (precision.py). A run without local errors
         (no --local) that diverged is replayed with them (the backend is deterministic for one schedule: the replay's
         logits are checked bit for bit against the traced run's):
-        - on the CPU up to the divergence's ubatch, to find a fault born in a node that has no reference value;
+        - on the CPU up to the divergence's ubatch, to find a fault born in a node that has no reference value, and
+          over the whole schedule when nothing at the divergence's token points at a node (whether it is rounding,
+          `precision.settle`, needs every ubatch: a later fault must not hide behind it);
         - on CUDA the whole schedule: TF32 matmuls drift past the float32 threshold on a clean run, and only every
           node's local error tells that from a fault, in any ubatch (a later fault must not hide behind an excused
           drift).
@@ -263,26 +265,39 @@ class LlamaCppSide:
         fd = res.first_divergence
         if fd is None:
             return fd, None
-        whole = _replay_whole(self.s)
-        self.local = LocalErrors(self.s.k_floor, device=_local_device(self.s))
-        t0 = time.perf_counter()
+        partial = None
         try:
-            same = self._replay(None if whole else fd)
-            self.info.extra["local_replay"] = {
-                "until_ubatch": None if whole else fd["ubatch"], "same_bits": same,
-                "ubatches": len({key[:2] for key in self.local.index_of}),     # (ubatch, group) pairs replayed
-                "seconds": round(time.perf_counter() - t0, 3), **self.local.to_dict()}
-            if not same:                # another run's local errors would not explain this one
+            if not _replay_whole(self.s):
+                if not self._replay_local(fd):      # another run's local errors would not explain this one
+                    return fd, None
+                out = refine(res, fd, self.local)
+                tok = out.get("token_local")
+                if out.get("by") or tok is None or tok["first_over"] or tok["earlier_over"]:
+                    return out, None            # named, or not rounding whatever the other ubatches hold
+                partial = self.info.extra["local_replay"]
+            if not self._replay_local(None, earlier=partial):
                 return fd, None
-            if whole:
-                self.info.extra["local"] = self.local.to_dict()
-                return self._verdict(res)
-            return refine(res, fd, self.local), None
+            self.info.extra["local"] = self.local.to_dict()
+            return self._verdict(res)
         finally:
             self.local = None
 
+    def _replay_local(self, fd: Optional[dict], earlier: Optional[dict] = None) -> bool:
+        """Replay with fresh local errors up to fd's ubatch (None: every ubatch of every group), recorded as
+        `local_replay` (its seconds include an `earlier` partial replay's); whether the replay gave the traced
+        run's logits bit for bit."""
+        self.local = LocalErrors(self.s.k_floor, device=_local_device(self.s))
+        t0 = time.perf_counter()
+        same = self._replay(fd)
+        self.info.extra["local_replay"] = {
+            "until_ubatch": None if fd is None else fd["ubatch"], "same_bits": same,
+            "ubatches": len({key[:2] for key in self.local.index_of}),     # (ubatch, group) pairs replayed
+            "seconds": round(time.perf_counter() - t0 + (earlier or {}).get("seconds", 0.0), 3),
+            **self.local.to_dict()}
+        return same
+
     def _verdict(self, res):
-        """The verdict from this run's local errors: precision.judge, then (no reduced-precision node) refine."""
+        """The verdict from every ubatch's local errors: precision.judge, then (no reduced-precision node) settle."""
         fd, prec = judge(res, self.local)
         return settle(res, fd, self.local) if prec is None and not self.local.reduced else (fd, prec)
 
