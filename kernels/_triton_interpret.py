@@ -36,6 +36,35 @@ def _softplus(dt):
     return tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(w) - ((w - 1.0) - u) / w)
 
 
+def scan_one_token_layout(block_d: int, block_n: int, state, x, dt, A, B, C, y, new_state, states_out) -> dict:
+    """The one-token scan's layout constexprs, from the host: EVEN_D, EVEN_N (the blocks fit: no masks on that axis)
+    and DENSE (unit last strides for the [.., D] and [.., N] operands, (N, 1) for the [.., D, N] ones: one offset
+    tile shared by all)."""
+    D, N = A.shape
+    tiles = (state, A, new_state) + ((states_out,) if states_out is not None else ())
+    dense = all(t.stride(-1) == 1 for t in (x, dt, y, B, C)) and all(t.stride()[-2:] == (N, 1) for t in tiles)
+    return dict(EVEN_D=D == block_d, EVEN_N=N == block_n, DENSE=dense)
+
+
+@_device_function
+def _load(ptr, mask):
+    """tl.load, masked (fill 0) only where a block overhangs its tensor (mask None: it does not): under the
+    interpreter each mask and fill value is an operation of its own (the fill a splat to the block's shape)."""
+    if mask is None:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v
+
+
+@_device_function
+def _store(ptr, value, mask):
+    if mask is None:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
 @triton.jit
 def _ssm_conv_one_token_kernel(
     state_ptr, x_ptr, w_ptr, out_ptr, new_state_ptr,
@@ -46,26 +75,39 @@ def _ssm_conv_one_token_kernel(
     stride_out_s, stride_out_d,
     stride_new_s, stride_new_t, stride_new_d,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN: tl.constexpr,                     # the blocks fit: S a multiple of BLOCK_S, D == BLOCK_D (no s, d masks)
 ):
     # One token per sequence (decode): the window is the K-1 state rows, then x. A program holds BLOCK_S sequences
     # x BLOCK_K taps x BLOCK_D channels. The taps past K are 0 (from the state load), as in _ssm_conv_kernel.
     s = (tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S))[:, None, None]
     k = tl.arange(0, BLOCK_K).to(tl.int64)[None, :, None]
     d = tl.arange(0, BLOCK_D).to(tl.int64)[None, None, :]
-    mask_d = d < D
-    ok = (s < S) & mask_d                                                                   # [BS, 1, BD]
     in_state = k < K - 1
-    window = tl.where(k == K - 1,                                                           # [BS, BK, BD]
-                      tl.load(x_ptr + s * stride_x_s + d * stride_x_d, mask=ok, other=0.0),
-                      tl.load(state_ptr + s * stride_state_s + k * stride_state_t + d * stride_state_d,
-                              mask=ok & in_state, other=0.0))
     mask_k = k < K
-    w = tl.load(w_ptr + k * stride_w_k + d * stride_w_d, mask=mask_k & mask_d, other=0.0).to(tl.float32)
+    if EVEN:
+        ok = None
+        state_mask = in_state
+        new_mask = (k >= 1) & mask_k
+        if K == BLOCK_K:                    # no tap past K: the weights need no mask
+            w_mask = None
+        else:
+            w_mask = mask_k
+    else:
+        mask_d = d < D
+        ok = (s < S) & mask_d                                                               # [BS, 1, BD]
+        state_mask = ok & in_state
+        new_mask = ok & (k >= 1) & mask_k
+        w_mask = mask_k & mask_d
+    window = tl.where(k == K - 1,                                                           # [BS, BK, BD]
+                      _load(x_ptr + s * stride_x_s + d * stride_x_d, ok),
+                      tl.load(state_ptr + s * stride_state_s + k * stride_state_t + d * stride_state_d,
+                              mask=state_mask, other=0.0))
+    w = _load(w_ptr + k * stride_w_k + d * stride_w_d, w_mask).to(tl.float32)
     acc = tl.reduce(window.to(tl.float32) * w, 1, tl.standard._sum_combine, keep_dims=True)   # tl.sum, see triton.py
-    tl.store(out_ptr + s * stride_out_s + d * stride_out_d, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    _store(out_ptr + s * stride_out_s + d * stride_out_d, acc.to(out_ptr.dtype.element_ty), ok)
     # the new state is window rows 1..K-1: the window itself, one row up
     tl.store(new_state_ptr + s * stride_new_s + (k - 1) * stride_new_t + d * stride_new_d,
-             window.to(new_state_ptr.dtype.element_ty), mask=ok & (k >= 1) & mask_k)
+             window.to(new_state_ptr.dtype.element_ty), mask=new_mask)
 
 
 @triton.jit
@@ -82,33 +124,58 @@ def _ssm_scan_one_token_kernel(
     stride_new_s, stride_new_d, stride_new_n,
     stride_so_s, stride_so_d, stride_so_n,
     HAS_STATES_OUT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_N: tl.constexpr,     # D == BLOCK_D, N == BLOCK_N: no mask on that axis
+    DENSE: tl.constexpr,        # unit d strides (x, dt, y), unit n strides (B, C), (N, 1) for every [D, N] operand
 ):
     # One token per sequence (decode): one step of _ssm_scan_kernel without its loop, one program per sequence
     # (a block of sequences as a third dimension costs more in broadcasts than it saves in programs).
     s = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_d = offs_d < D
-    mask_n = offs_n < N
     d = offs_d[:, None]
     n = offs_n[None, :]
-    mask = mask_d[:, None] & mask_n[None, :]
-    h = tl.load(state_ptr + s * stride_state_s + d * stride_state_d + n * stride_state_n,
-                mask=mask, other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + d * stride_A_d + n * stride_A_n, mask=mask, other=0.0).to(tl.float32) * LOG2E
-    x = tl.load(x_ptr + s * stride_x_s + offs_d * stride_x_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + s * stride_dt_s + offs_d * stride_dt_d, mask=mask_d, other=0.0).to(tl.float32)
-    B = tl.load(B_ptr + s * stride_B_s + offs_n * stride_B_n, mask=mask_n, other=0.0).to(tl.float32)
-    C = tl.load(C_ptr + s * stride_C_s + offs_n * stride_C_n, mask=mask_n, other=0.0).to(tl.float32)
+    if EVEN_D:
+        mask_d = None
+    else:
+        mask_d = offs_d < D
+    if EVEN_N:
+        mask_n = None
+    else:
+        mask_n = offs_n < N
+    if EVEN_D:                              # [BLOCK_D, BLOCK_N] tiles: tl.load broadcasts a mask to the pointers
+        if EVEN_N:
+            mask = None
+        else:
+            mask = mask_n[None, :]
+    elif EVEN_N:
+        mask = mask_d[:, None]
+    else:
+        mask = mask_d[:, None] & mask_n[None, :]
+    if DENSE:                               # the usual layouts: the offsets within a sequence are shared
+        o_state = d * N + n
+        o_A, o_new, o_so = o_state, o_state, o_state
+        o_x, o_dt, o_y = offs_d, offs_d, offs_d
+        o_B, o_C = offs_n, offs_n
+    else:
+        o_state = d * stride_state_d + n * stride_state_n
+        o_A = d * stride_A_d + n * stride_A_n
+        o_new = d * stride_new_d + n * stride_new_n
+        o_so = d * stride_so_d + n * stride_so_n
+        o_x, o_dt, o_y = offs_d * stride_x_d, offs_d * stride_dt_d, offs_d * stride_y_d
+        o_B, o_C = offs_n * stride_B_n, offs_n * stride_C_n
+    h = _load(state_ptr + s * stride_state_s + o_state, mask).to(tl.float32)
+    A = _load(A_ptr + o_A, mask).to(tl.float32) * LOG2E
+    x = _load(x_ptr + s * stride_x_s + o_x, mask_d).to(tl.float32)
+    dt = _load(dt_ptr + s * stride_dt_s + o_dt, mask_d).to(tl.float32)
+    B = _load(B_ptr + s * stride_B_s + o_B, mask_n).to(tl.float32)
+    C = _load(C_ptr + s * stride_C_s + o_C, mask_n).to(tl.float32)
     delta = _softplus(dt)
     h = tl.exp2(delta[:, None] * A) * h + B[None, :] * (delta * x)[:, None]
     y = tl.reduce(h * C[None, :], 1, tl.standard._sum_combine)                 # tl.sum, see triton.py
-    tl.store(y_ptr + s * stride_y_s + offs_d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
-    tl.store(new_state_ptr + s * stride_new_s + d * stride_new_d + n * stride_new_n,
-             h.to(new_state_ptr.dtype.element_ty), mask=mask)
+    _store(y_ptr + s * stride_y_s + o_y, y.to(y_ptr.dtype.element_ty), mask_d)
+    _store(new_state_ptr + s * stride_new_s + o_new, h.to(new_state_ptr.dtype.element_ty), mask)
     if HAS_STATES_OUT:
-        tl.store(states_out_ptr + s * stride_so_s + d * stride_so_d + n * stride_so_n,
-                 h.to(states_out_ptr.dtype.element_ty), mask=mask)
+        _store(states_out_ptr + s * stride_so_s + o_so, h.to(states_out_ptr.dtype.element_ty), mask)
 
 
 @triton.jit

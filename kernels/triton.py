@@ -51,14 +51,12 @@ elif not isinstance(tl.standard._sum_combine, triton.runtime.JITFunction):
     raise ImportError("triton was first imported with TRITON_INTERPRET=1 in this process, so its library is "
                       "interpreted and cannot be compiled for cuda; run the cuda kernels in another process")
 
-
 _device_function = helper_jit(INTERPRET)     # the helpers below: plain functions under the interpreter
 
 # The interpreter's schedules live beside this file (executed, not imported: see mamba_debug.triton_env), with the
 # softplus every schedule shares, so that they compute each element alike.
 _schedules = exec_file(Path(__file__).with_name("_triton_interpret.py"), f"{__name__}_interpret_schedules")
 _softplus, LOG2E = _schedules._softplus, _schedules.LOG2E
-
 
 # %%
 # Compute kernels
@@ -410,7 +408,8 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *,
     if cfg.get("schedule") == "one_token":
         _launch_conv_one_token((_cdiv(S, cfg["BLOCK_S"]),), (conv_state, x, weight, out, new_state), (
             S, D, *conv_state.stride(), *_but_t(x), *weight.stride(), *_but_t(out), *new_state.stride()),
-            dict(K=K, BLOCK_K=_pow2(K), BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"]))
+            dict(K=K, BLOCK_K=_pow2(K), BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"],
+                 EVEN=S % cfg["BLOCK_S"] == 0 and D == cfg["BLOCK_D"], num_warps=cfg["num_warps"]))
         return out, new_state
     grid = (S, _cdiv(D, cfg["BLOCK_D"]), _cdiv(T, cfg["BLOCK_T"]))
     _launch_conv(grid, (conv_state, x, weight, out, new_state),
@@ -453,7 +452,9 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     if plan["schedule"] == "one_token":
         _launch_scan_one_token((S,), tensors, (
             S, D, N, *ssm_state.stride(), *_but_t(x), *_but_t(dt), *A.stride(), *_but_t(B), *_but_t(C),
-            *_but_t(y), *new_state.stride(), *_but_t(so_strides)), meta)
+            *_but_t(y), *new_state.stride(), *_but_t(so_strides)),
+            dict(meta, **_schedules.scan_one_token_layout(plan["BLOCK_D"], meta["BLOCK_N"], ssm_state, x, dt, A, B, C,
+                                                           y, new_state, states_out)))
         return y, new_state
     strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
                *y.stride(), *new_state.stride(), *so_strides)

@@ -228,11 +228,14 @@ def test_every_scan_schedule_matches_reference(plugin, name):
 
 # The one-token (decode) kernels of kernels/_triton_interpret.py, forced wherever the test runs: against the
 # reference, and bit for bit against the schedules of longer ubatches. D and S are not multiples of the blocks (the
-# conv holds 2 sequences per program), N is padded, K = 3 pads the taps; every input is a strided view.
-@pytest.mark.parametrize("S,D,N,K", [(3, 100, 12, 3), (5, 40, 16, 4), (1, 24, 8, 4)])
-def test_one_token_kernels_match_reference_and_the_other_schedules(plugin, S, D, N, K):
+# conv holds 2 sequences per program), N is padded, K = 3 pads the taps; then blocks that fit (no masks: D, N powers
+# of two, S even); then contiguous inputs (the scan's DENSE offsets: A [D, N] is otherwise stride 1 along D), N
+# padded in one of them.
+@pytest.mark.parametrize("S,D,N,K,contiguous", [(3, 100, 12, 3, False), (5, 40, 16, 4, False), (1, 24, 8, 4, False),
+                                                (4, 64, 16, 4, False), (2, 32, 12, 3, True), (3, 100, 12, 3, True)])
+def test_one_token_kernels_match_reference_and_the_other_schedules(plugin, S, D, N, K, contiguous):
     mod = plugin.module
-    inp, _ = make_inputs(S, 1, D, N, K, seed=D + K)
+    inp, _ = make_inputs(S, 1, D, N, K, seed=D + K, contiguous=contiguous)
     block_d = 1 << (D - 1).bit_length()
     conv_args = (inp["conv_state"], inp["x"], inp["weight"])
     conv = mod.ssm_conv(*conv_args, config=dict(schedule="one_token", BLOCK_S=2, BLOCK_D=block_d, num_warps=1))
