@@ -125,12 +125,9 @@ def settle(res, fd: Optional[dict], local) -> tuple[Optional[dict], Optional[dic
     token axis and every node over the whole run within the floor, and no site anywhere past DRIFT_LIMIT x its
     threshold: accumulated float32 rounding, not a fault."""
     out = refine(res, fd, local)
-    tok = (out or {}).get("token_local")
-    if out is None or tok is None or out.get("by") or out.get("nan") or local.first is not None:
+    if not rounding_at_its_token(out) or local.first is not None:
         return out, None
-    if tok["first_over"] or tok["earlier_over"] or tok["not_recomputed"] or not tok["site_measured"] \
-            or not tok["whole_node_only"]["within_floor"]:
-        return out, None
+    tok = out["token_local"]
     excess = worst_excess(res)
     if excess > DRIFT_LIMIT:
         return out, None
@@ -146,6 +143,16 @@ def settle(res, fd: Optional[dict], local) -> tuple[Optional[dict], Optional[dic
         "items": [{"layer": r["layer"], "site": r["site"], "node": r["name"], "op": r["op"], "path": r["path"],
                    "error": r["error"], "floor": r["fp32_recompute"], "limit": ORACLE_MARGIN * r["fp32_recompute"],
                    "ubatch": tok["ubatch"]} for r in tok["explained"]]}
+
+
+def rounding_at_its_token(fd: Optional[dict]) -> bool:
+    """Whether a refined divergence may be rounding as far as its own ubatch tells: a finite divergence not moved to
+    a node, its site recomputed, and at its token every node up to it (and every earlier token of its sequence,
+    every node without a token axis) within the FP32 floor or explained by the float32 recompute."""
+    tok = (fd or {}).get("token_local")
+    return bool(tok) and not (fd.get("by") or fd.get("nan") or tok["first_over"] or tok["earlier_over"]
+                              or tok["not_recomputed"] or not tok["site_measured"]
+                              or not tok["whole_node_only"]["within_floor"])
 
 
 def worst_excess(res) -> float:

@@ -26,7 +26,7 @@ from .lib import EvalCallback, LogCallback, load_library
 from .observe import Tracer, graph_nodes
 from .reference import derived_sites
 from .local import CUBLAS_FP32, LocalErrors, path_of
-from .precision import judge, refine, settle
+from .precision import judge, refine, rounding_at_its_token, settle
 from .maps import LAYER_SITES as OTHER_SITES
 from .maps import NOT_OBSERVED, layer_kinds
 from .nodes import HEAD_SITES, LAYER_SITES
@@ -271,8 +271,7 @@ class LlamaCppSide:
                 if not self._replay_local(fd):      # another run's local errors would not explain this one
                     return fd, None
                 out = refine(res, fd, self.local)
-                tok = out.get("token_local")
-                if out.get("by") or tok is None or tok["first_over"] or tok["earlier_over"]:
+                if not rounding_at_its_token(out):
                     return out, None            # named, or not rounding whatever the other ubatches hold
                 partial = self.info.extra["local_replay"]
             if not self._replay_local(None, earlier=partial):
