@@ -320,3 +320,16 @@ def test_an_ill_conditioned_whole_node_is_explained_not_a_fault(device):
     le.add(node("MUL_MAT", 0, "x_proj", 4, ne=(M, 1, 1, 1)), [w, x], got, 0)
     text = _whole_node_clause(le.to_dict())
     assert "or within 4x an independent float32 recompute of its op (1 node(s); layer 0 'x_proj'" in text, text
+
+
+def test_the_float32_recompute_of_a_matmul_never_runs_in_tf32(monkeypatch):
+    """A process that let torch use TF32 (set_float32_matmul_precision "high") would make torch's recompute lenient:
+    the recompute then sums in numpy's FP32, and explains the row as much as before."""
+    le, row = ill_conditioned_mul_mat(device="cpu")
+    want = le.at_token(0, 2, 5, 0, "x_proj")["explained"][0]["fp32_recompute"]
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    le, _ = ill_conditioned_mul_mat(device="cpu")
+    got = le.at_token(0, 2, 5, 0, "x_proj")["explained"][0]["fp32_recompute"]
+    numpy_le, _ = ill_conditioned_mul_mat(device=None)
+    assert got == pytest.approx(numpy_le.at_token(0, 2, 5, 0, "x_proj")["explained"][0]["fp32_recompute"], rel=1e-9)
+    assert got > LIMIT and want > LIMIT

@@ -337,9 +337,12 @@ class LocalErrors:
         err, rows = self._torch_errors(g, want, lay)
         if not self._passes_floor(err, rows):
             return err, rows, None, None
-        # torch's float32 matmul (no TF32) from the same inputs
-        oracle_err, oracle = self._torch_errors(torch.matmul(x.float(), w.float().transpose(-1, -2)).double(), want,
-                                                lay)
+        if torch.get_float32_matmul_precision() == "highest":       # torch's FP32 matmul, from the same inputs
+            want32 = torch.matmul(x.float(), w.float().transpose(-1, -2)).double()
+        else:                       # this process let torch use TF32: numpy's FP32 sums instead, the same inputs
+            want32 = torch.from_numpy(recompute("MUL_MAT", [a.astype(np.float32) for a in srcs[:2]], got.shape, ())
+                                      .astype(np.float64)).to(want.device)
+        oracle_err, oracle = self._torch_errors(want32, want, lay)
         return err, rows, oracle, oracle_err
 
     def _torch_errors(self, got, want, lay):
