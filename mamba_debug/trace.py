@@ -178,6 +178,13 @@ def nanmax(t: torch.Tensor) -> float:
     return float(t.max()) if t.numel() else math.nan
 
 
+def worst_excess(res) -> float:
+    """The largest error / threshold over every site and token of a result (inf where a value is not finite; a site
+    not observed or not captured, NaN throughout, counts nothing); 0.0 with none."""
+    ratios = (nanmax(res.errors[k]["rel_l2"]) / t for k, t in res.thresholds.items() if k in res.errors and t)
+    return max((r for r in ratios if r == r), default=0.0)
+
+
 # -- trace files -------------------------------------------------------------------------------------
 def _key(k) -> str:
     return ".".join("head" if p is None else str(p) for p in k)

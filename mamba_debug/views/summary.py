@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..arch import MODEL_SITES
-from ..trace import RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, json_safe, nanmax
+from ..trace import RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, json_safe, nanmax, worst_excess
 
 
 def _err(res: CompareResult, key):
@@ -112,8 +112,7 @@ def verdict(res: CompareResult) -> str:
     if fd is None and res.precision:
         return f"no divergence beyond precision: {res.precision['text']}"
     if fd is None:
-        worst = max((nanmax(res.errors[k]["rel_l2"]) / res.thresholds[k] for k in res.errors if res.is_observed(k)),
-                    default=0.0)
+        worst = worst_excess(res)
         return (f"no divergence: every site stays within {res.settings.k_floor:g}x its float32 rounding floor "
                 f"(worst site at {worst:.2g}x its threshold)")
     where = (f"layer {fd['layer']}" if fd["layer"] is not None else "the output head" if fd["site"] in MODEL_SITES
@@ -190,10 +189,8 @@ def _whole_node_clause(loc: dict) -> str:
         key, err = max(loc["max_per_node"].items(), key=lambda kv: kv[1])
         text = f": every one within the FP32 floor {loc['threshold']:.2g} (worst {key} at {err:.2g})"
         if loc.get("explained"):            # past the floor, within a few x what float32 itself errs there
-            e = max(loc["explained"], key=lambda r: r["error"])
-            text = (f": every one within the FP32 floor {loc['threshold']:.2g} or within {loc['oracle_margin']:g}x "
-                    f"an independent float32 recompute of its op ({len(loc['explained'])} node(s); {_node_at(e)} "
-                    f"{e['error']:.3g} against {e['fp32_recompute']:.3g}: conditioning)")
+            text = f": every one within the FP32 floor {loc['threshold']:.2g} or " + _explained(
+                loc["explained"], loc["oracle_margin"], "conditioning")
         return text
     where = f"layer {first['layer']}" if first["layer"] is not None else "outside the layers"
     fault = loc.get("first_fault") is not None
@@ -221,14 +218,18 @@ def _token_clause(fd, loc: dict) -> str:
     text = at + f": every one of its {tok['nodes']} recomputed nodes up to '{tok['upto']['site']}' within the FP32 " \
                 f"floor {tok['limit']:.2g}" + (f" (worst {_node_at(w)} at {_fmt(w['error'], '.2g')})" if w else "")
     if tok.get("explained"):
-        e = max(tok["explained"], key=lambda r: r["error"])
-        text += (f" or within {tok['oracle_margin']:g}x what an independent float32 recompute errs on the same "
-                 f"inputs ({len(tok['explained'])} node(s); {_node_at(e)} {_fmt(e['error'], '.3g')} against "
-                 f"{_fmt(e['fp32_recompute'], '.3g')}: the row's own conditioning)")
+        text += " or " + _explained(tok["explained"], tok["oracle_margin"], "the row's own conditioning")
     buts = _caveats(fd, tok, loc)
     if buts:
         return text + ", but " + "; ".join(buts)
     return text + ": no single op makes the excess, it is accumulated rounding"
+
+
+def _explained(items: list, margin: float, why: str) -> str:
+    """The nodes past the FP32 floor that an independent float32 recompute of their op explains, worst first."""
+    e = max(items, key=lambda r: r["error"])
+    return (f"within {margin:g}x an independent float32 recompute of its op ({len(items)} node(s); "
+            f"{_node_at(e)} {_fmt(e['error'], '.3g')} against {_fmt(e['fp32_recompute'], '.3g')}: {why})")
 
 
 def _caveats(fd: dict, tok: dict, loc: dict) -> list:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from ...trace import error_fields, json_safe
+from ...trace import error_fields, json_safe, worst_excess
 from .local import ORACLE_MARGIN
 
 # A run whose every node is within float32's reach may still pass a site's threshold (k x the torch float32
@@ -153,17 +151,3 @@ def rounding_at_its_token(fd: Optional[dict]) -> bool:
     return bool(tok) and not (fd.get("by") or fd.get("nan") or tok["first_over"] or tok["earlier_over"]
                               or tok["not_recomputed"] or not tok["site_measured"]
                               or not tok["whole_node_only"]["within_floor"])
-
-
-def worst_excess(res) -> float:
-    """The largest error / threshold over every compared site and token of the run (inf where a value is not
-    finite; NaN, not captured, counts nothing)."""
-    worst = 0.0
-    for key, threshold in res.thresholds.items():
-        err = res.errors.get(key)
-        if err is None or not threshold:
-            continue
-        e = torch.nan_to_num(torch.as_tensor(err["rel_l2"], dtype=torch.float64), nan=0.0, posinf=float("inf"))
-        if e.numel():
-            worst = max(worst, float(e.max()) / threshold)
-    return worst
