@@ -37,13 +37,22 @@ def _softplus(dt):
 
 
 def scan_one_token_layout(block_d: int, block_n: int, state, x, dt, A, B, C, y, new_state, states_out) -> dict:
-    """The one-token scan's layout constexprs, from the host: EVEN_D, EVEN_N (the blocks fit: no masks on that axis)
-    and DENSE (unit last strides for the [.., D] and [.., N] operands, (N, 1) for the [.., D, N] ones: one offset
-    tile shared by all)."""
+    """The one-token scan's layout constexprs, from the host: EVEN_D, EVEN_N (the blocks fit: no masks on that axis),
+    DENSE (unit last strides for the [.., D] and [.., N] operands, (N, 1) for the [.., D, N] ones: one offset
+    tile shared by all) and ONE_SEQ (one sequence: no sequence offsets)."""
     D, N = A.shape
     tiles = (state, A, new_state) + ((states_out,) if states_out is not None else ())
     dense = all(t.stride(-1) == 1 for t in (x, dt, y, B, C)) and all(t.stride()[-2:] == (N, 1) for t in tiles)
-    return dict(EVEN_D=D == block_d, EVEN_N=N == block_n, DENSE=dense)
+    return dict(EVEN_D=D == block_d, EVEN_N=N == block_n, DENSE=dense, ONE_SEQ=x.shape[0] == 1)
+
+
+def conv_one_token_layout(block_s: int, block_d: int, state, x, new_state) -> dict:
+    """The one-token conv's layout constexprs, from the host: EVEN (the blocks fit), ONE_SEQ (one sequence: no
+    sequence offsets, no sequence mask) and SAME_STATE (new_state strided as state: one offset tile for both)."""
+    S, _, D = x.shape
+    one = S == 1
+    same = state.stride()[1:] == new_state.stride()[1:] and (one or state.stride(0) == new_state.stride(0))
+    return dict(EVEN=D == block_d and (one or S % block_s == 0), ONE_SEQ=one, SAME_STATE=same)
 
 
 @_device_function
@@ -65,6 +74,16 @@ def _store(ptr, value, mask):
         tl.store(ptr, value, mask=mask)
 
 
+@_device_function
+def _row(ptr, s, stride):
+    """The start of sequence s: ptr + s * stride, or ptr itself for s None (ONE_SEQ: nothing to add)."""
+    if s is None:
+        r = ptr
+    else:
+        r = ptr + s * stride
+    return r
+
+
 @triton.jit
 def _ssm_conv_one_token_kernel(
     state_ptr, x_ptr, w_ptr, out_ptr, new_state_ptr,
@@ -76,10 +95,15 @@ def _ssm_conv_one_token_kernel(
     stride_new_s, stride_new_t, stride_new_d,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN: tl.constexpr,                     # the blocks fit: S a multiple of BLOCK_S, D == BLOCK_D (no s, d masks)
+    ONE_SEQ: tl.constexpr,                  # S == 1: no sequence offsets (BLOCK_S is then ignored)
+    SAME_STATE: tl.constexpr,               # new_state has state's strides: its offsets are state's, one row up
 ):
     # One token per sequence (decode): the window is the K-1 state rows, then x. A program holds BLOCK_S sequences
     # x BLOCK_K taps x BLOCK_D channels. The taps past K are 0 (from the state load), as in _ssm_conv_kernel.
-    s = (tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S))[:, None, None]
+    if ONE_SEQ:
+        s = None
+    else:
+        s = (tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S))[:, None, None]
     k = tl.arange(0, BLOCK_K).to(tl.int64)[None, :, None]
     d = tl.arange(0, BLOCK_D).to(tl.int64)[None, None, :]
     in_state = k < K - 1
@@ -94,20 +118,26 @@ def _ssm_conv_one_token_kernel(
             w_mask = mask_k
     else:
         mask_d = d < D
-        ok = (s < S) & mask_d                                                               # [BS, 1, BD]
+        if ONE_SEQ:
+            ok = mask_d                                                                     # [1, 1, BD]
+        else:
+            ok = (s < S) & mask_d                                                           # [BS, 1, BD]
         state_mask = ok & in_state
         new_mask = ok & (k >= 1) & mask_k
         w_mask = mask_k & mask_d
+    o_state = k * stride_state_t + d * stride_state_d                                       # [1, BK, BD]
+    if SAME_STATE:                          # row k - 1 of the new state: row k's offsets, one row up
+        o_new = o_state - stride_state_t
+    else:
+        o_new = (k - 1) * stride_new_t + d * stride_new_d
     window = tl.where(k == K - 1,                                                           # [BS, BK, BD]
-                      _load(x_ptr + s * stride_x_s + d * stride_x_d, ok),
-                      tl.load(state_ptr + s * stride_state_s + k * stride_state_t + d * stride_state_d,
-                              mask=state_mask, other=0.0))
+                      _load(_row(x_ptr, s, stride_x_s) + d * stride_x_d, ok),
+                      tl.load(_row(state_ptr, s, stride_state_s) + o_state, mask=state_mask, other=0.0))
     w = _load(w_ptr + k * stride_w_k + d * stride_w_d, w_mask).to(tl.float32)
     acc = tl.reduce(window.to(tl.float32) * w, 1, tl.standard._sum_combine, keep_dims=True)   # tl.sum, see triton.py
-    _store(out_ptr + s * stride_out_s + d * stride_out_d, acc.to(out_ptr.dtype.element_ty), ok)
+    _store(_row(out_ptr, s, stride_out_s) + d * stride_out_d, acc.to(out_ptr.dtype.element_ty), ok)
     # the new state is window rows 1..K-1: the window itself, one row up
-    tl.store(new_state_ptr + s * stride_new_s + (k - 1) * stride_new_t + d * stride_new_d,
-             window.to(new_state_ptr.dtype.element_ty), mask=new_mask)
+    tl.store(_row(new_state_ptr, s, stride_new_s) + o_new, window.to(new_state_ptr.dtype.element_ty), mask=new_mask)
 
 
 @triton.jit
@@ -126,10 +156,14 @@ def _ssm_scan_one_token_kernel(
     HAS_STATES_OUT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_N: tl.constexpr,     # D == BLOCK_D, N == BLOCK_N: no mask on that axis
     DENSE: tl.constexpr,        # unit d strides (x, dt, y), unit n strides (B, C), (N, 1) for every [D, N] operand
+    ONE_SEQ: tl.constexpr,      # S == 1: no sequence offsets
 ):
     # One token per sequence (decode): one step of _ssm_scan_kernel without its loop, one program per sequence
     # (a block of sequences as a third dimension costs more in broadcasts than it saves in programs).
-    s = tl.program_id(0).to(tl.int64)
+    if ONE_SEQ:
+        s = None
+    else:
+        s = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     d = offs_d[:, None]
@@ -163,19 +197,19 @@ def _ssm_scan_one_token_kernel(
         o_so = d * stride_so_d + n * stride_so_n
         o_x, o_dt, o_y = offs_d * stride_x_d, offs_d * stride_dt_d, offs_d * stride_y_d
         o_B, o_C = offs_n * stride_B_n, offs_n * stride_C_n
-    h = _load(state_ptr + s * stride_state_s + o_state, mask).to(tl.float32)
+    h = _load(_row(state_ptr, s, stride_state_s) + o_state, mask).to(tl.float32)
     A = _load(A_ptr + o_A, mask).to(tl.float32) * LOG2E
-    x = _load(x_ptr + s * stride_x_s + o_x, mask_d).to(tl.float32)
-    dt = _load(dt_ptr + s * stride_dt_s + o_dt, mask_d).to(tl.float32)
-    B = _load(B_ptr + s * stride_B_s + o_B, mask_n).to(tl.float32)
-    C = _load(C_ptr + s * stride_C_s + o_C, mask_n).to(tl.float32)
+    x = _load(_row(x_ptr, s, stride_x_s) + o_x, mask_d).to(tl.float32)
+    dt = _load(_row(dt_ptr, s, stride_dt_s) + o_dt, mask_d).to(tl.float32)
+    B = _load(_row(B_ptr, s, stride_B_s) + o_B, mask_n).to(tl.float32)
+    C = _load(_row(C_ptr, s, stride_C_s) + o_C, mask_n).to(tl.float32)
     delta = _softplus(dt)
     h = tl.exp2(delta[:, None] * A) * h + B[None, :] * (delta * x)[:, None]
     y = tl.reduce(h * C[None, :], 1, tl.standard._sum_combine)                 # tl.sum, see triton.py
-    _store(y_ptr + s * stride_y_s + o_y, y.to(y_ptr.dtype.element_ty), mask_d)
-    _store(new_state_ptr + s * stride_new_s + o_new, h.to(new_state_ptr.dtype.element_ty), mask)
+    _store(_row(y_ptr, s, stride_y_s) + o_y, y.to(y_ptr.dtype.element_ty), mask_d)
+    _store(_row(new_state_ptr, s, stride_new_s) + o_new, h.to(new_state_ptr.dtype.element_ty), mask)
     if HAS_STATES_OUT:
-        _store(states_out_ptr + s * stride_so_s + o_so, h.to(states_out_ptr.dtype.element_ty), mask)
+        _store(_row(states_out_ptr, s, stride_so_s) + o_so, h.to(states_out_ptr.dtype.element_ty), mask)
 
 
 @triton.jit

@@ -408,8 +408,8 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *,
     if cfg.get("schedule") == "one_token":
         _launch_conv_one_token((_cdiv(S, cfg["BLOCK_S"]),), (conv_state, x, weight, out, new_state), (
             S, D, *conv_state.stride(), *_but_t(x), *weight.stride(), *_but_t(out), *new_state.stride()),
-            dict(K=K, BLOCK_K=_pow2(K), BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"],
-                 EVEN=S % cfg["BLOCK_S"] == 0 and D == cfg["BLOCK_D"], num_warps=cfg["num_warps"]))
+            dict(K=K, BLOCK_K=_pow2(K), BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+                 **_schedules.conv_one_token_layout(cfg["BLOCK_S"], cfg["BLOCK_D"], conv_state, x, new_state)))
         return out, new_state
     grid = (S, _cdiv(D, cfg["BLOCK_D"]), _cdiv(T, cfg["BLOCK_T"]))
     _launch_conv(grid, (conv_state, x, weight, out, new_state),

@@ -38,10 +38,11 @@ for chunked, summary in ((True, True), (True, False), (False, False)):
     build(k1._ssm_scan_kernel, dict(SUMMARY=summary, PREFETCH=2 if chunked else 1, CHUNKED=chunked,
                                     HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16), warps=2)
 interp = k1._schedules      # the interpreter's schedules: no GPU plan runs them, but they stay valid Triton
-for even in (False, True):      # masks where the blocks overhang; none, and the scan's shared offsets, where not
-    build(interp._ssm_conv_one_token_kernel, dict(K=4, BLOCK_K=4, BLOCK_S=2, BLOCK_D=64, EVEN=even))
+for even in (False, True):      # masks where the blocks overhang; none, one sequence, shared offsets, where not
+    build(interp._ssm_conv_one_token_kernel, dict(K=4, BLOCK_K=4, BLOCK_S=2, BLOCK_D=64, EVEN=even, ONE_SEQ=even,
+                                                  SAME_STATE=even))
     build(interp._ssm_scan_one_token_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, EVEN_D=even,
-                                                  EVEN_N=even, DENSE=even))
+                                                  EVEN_N=even, DENSE=even, ONE_SEQ=even))
 build(interp._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, TILE_T=16))
 build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=True, BLOCK_P=64, BLOCK_N=128))
 build(k2._ssd_chunked_kernel, dict(BLOCK_Q=64, BLOCK_P=64, BLOCK_N=128))

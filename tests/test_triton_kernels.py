@@ -229,10 +229,12 @@ def test_every_scan_schedule_matches_reference(plugin, name):
 # The one-token (decode) kernels of kernels/_triton_interpret.py, forced wherever the test runs: against the
 # reference, and bit for bit against the schedules of longer ubatches. D and S are not multiples of the blocks (the
 # conv holds 2 sequences per program), N is padded, K = 3 pads the taps; then blocks that fit (no masks: D, N powers
-# of two, S even); then contiguous inputs (the scan's DENSE offsets: A [D, N] is otherwise stride 1 along D), N
-# padded in one of them.
+# of two, S even); then contiguous inputs (the scan's DENSE offsets: A [D, N] is otherwise stride 1 along D; the
+# conv's SAME_STATE), N padded in one of them. S = 1 (ONE_SEQ: no sequence offsets) with masks and strided states,
+# and with neither.
 @pytest.mark.parametrize("S,D,N,K,contiguous", [(3, 100, 12, 3, False), (5, 40, 16, 4, False), (1, 24, 8, 4, False),
-                                                (4, 64, 16, 4, False), (2, 32, 12, 3, True), (3, 100, 12, 3, True)])
+                                                (4, 64, 16, 4, False), (2, 32, 12, 3, True), (3, 100, 12, 3, True),
+                                                (1, 32, 16, 4, True)])
 def test_one_token_kernels_match_reference_and_the_other_schedules(plugin, S, D, N, K, contiguous):
     mod = plugin.module
     inp, _ = make_inputs(S, 1, D, N, K, seed=D + K, contiguous=contiguous)
