@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import platform
 import pstats
 import statistics
@@ -35,6 +36,7 @@ import mamba_debug as md  # noqa: E402
 from mamba_debug.cli import DEFAULT_PROMPT  # noqa: E402
 from mamba_debug.compare import sequence_prompts  # noqa: E402
 from mamba_debug.settings import RunSettings  # noqa: E402
+from mamba_debug.sides.llamacpp import contexts  # noqa: E402
 from mamba_debug.sides.llamacpp import side as lside  # noqa: E402
 
 PLAIN = getattr(lside, "Tracer", None)
@@ -70,14 +72,15 @@ def make_side(model, s, count: bool):
 
 
 def one_run(model, ids, ubatch: int, n_seqs: int, profile=None, count=False) -> dict:
-    """One schedule traced (timed step by step), then the side's own untraced run of it. count: wrap the callback
-    to count its calls (a first run: the count costs time of its own)."""
+    """One schedule traced (timed step by step), then the side's own untraced run of it. count: wrap the Python
+    callback to count its calls (a first run: the count costs time of its own); the C fast path counts its own."""
     s = RunSettings(engine="llama.cpp", device="cpu", ubatch=ubatch, n_seqs=n_seqs).validated(model.config)
     side = make_side(model, s, count)
     try:
         tokens = sequence_prompts(ids, n_seqs, model.config.vocab_size)
         B = s.ubatch_per_seq(n_seqs)
         side.reset(s, n_seqs)
+        side._c0 = side.tracer.fast.counts() if getattr(side.tracer, "fast", None) is not None else None
         Counts.asks = Counts.observes = 0
         step_s, nxt = 0.0, None
         n_prompt = len(range(0, tokens.shape[1], B))
@@ -92,12 +95,17 @@ def one_run(model, ids, ubatch: int, n_seqs: int, profile=None, count=False) -> 
                 profile.disable()
             nxt = out.logits[:, -1].argmax(-1)
         asks, observes = Counts.asks, Counts.observes
+        fast = getattr(side.tracer, "fast", None)
+        c = fast.counts() if fast is not None else {"c_asks": 0, "c_observes": 0, "python_calls": 0}
+        c0 = getattr(side, "_c0", None) or {k: 0 for k in c}
         oe = side.observer_effect()
         assert oe["logits_bitwise_identical"], oe
         return {"traced_s": oe["traced_s"], "untraced_s": oe["untraced_s"], "steps_s": round(step_s, 4),
                 "ratio": oe["traced_s"] / oe["untraced_s"], "steps_ratio": step_s / oe["untraced_s"],
-                "ubatches": n_prompt + s.n_gen, "nodes_asked": asks, "observe_calls": observes,
-                "callbacks": asks + observes,
+                "ubatches": n_prompt + s.n_gen, "python_asks": asks, "python_observes": observes,
+                "c_asks": c["c_asks"] - c0["c_asks"], "c_observes": c["c_observes"] - c0["c_observes"],
+                "python_calls": c["python_calls"] - c0["python_calls"],
+                "context": side.info.extra.get("context"), "callback": side.info.extra.get("callback"),
                 "nodes_listed": len(side.info.extra["nodes"])}
     finally:
         side.close()
@@ -106,7 +114,7 @@ def one_run(model, ids, ubatch: int, n_seqs: int, profile=None, count=False) -> 
 
 
 GRAPHS = {"S1xT1": (512, 1, 1), "S2xT1": (3, 2, 1), "S1xT24": (512, 1, 24)}
-FLOOR_MODES = ("untraced", "python_no", "python_yes_noop", "repeat", "first", "cold")
+FLOOR_MODES = ("untraced", "python_no", "python_yes_noop", "second", "repeat", "first", "cold")
 
 
 def forget():
@@ -122,9 +130,13 @@ def floors(model, ids, reps: int = 25) -> list:
     """Per graph kind (sequences x tokens), ms per llama_decode, medians over interleaved repeats:
     untraced (the callback answers no), python_no (a Python callback that answers no: the same in Python),
     python_yes_noop (a Python callback that says yes to every node and does nothing: what llama.cpp's per-node
-    synchronisation and the callback's transitions cost), repeat (traced, a graph the trie knows), first (traced,
-    the trie emptied before, as the first graph of each kind in a new context: recalled where recall.py remembers
-    it), cold (also nothing remembered: mapped node by node, as the first graph of its kind in a process)."""
+    synchronisation and the callback's transitions cost), second (traced, the second graph of its kind: the trie
+    knows it, its path is mirrored into the C fast path), repeat (traced, a graph the trie and the fast path know),
+    first (traced, the trie emptied before, as the first graph of each kind in a new context: recalled where
+    recall.py remembers it), cold (also nothing remembered: mapped node by node, as the first graph of its kind in
+    a process). Contexts are not kept between sides here (each side's Tracer is this function's)."""
+    os.environ["MAMBA_DEBUG_LLAMA_KEEP"] = "0"
+    contexts.release()
     mode = {"m": "repeat"}
 
     calls = {"python_no": lambda self, t, ask, user_data: False,
@@ -170,15 +182,29 @@ def observe_nodes(side) -> list:
 
 
 def bench(model, ids, runs: int) -> list:
+    """Per setting: its first run in this process (a new context: its graphs mapped in Python, from what recall.py
+    remembers of the settings before it where it can), then `runs` runs each in a new context (a fresh side with
+    MAMBA_DEBUG_LLAMA_KEEP=0: what the previous figures measured), then `runs` runs of new sides that take over the
+    context the one before kept (contexts.py; a sweep's cells and the dashboard's runs of one setting): the
+    headline `ratio`. The counts are of the first run (Python's callbacks; the C fast path's asks and observes)."""
     rows = []
     for name, (ub, S) in SETTINGS.items():
-        counted = one_run(model, ids, ub, S, count=True)          # also a warm-up (pages, caches)
+        os.environ["MAMBA_DEBUG_LLAMA_KEEP"] = "0"
+        first = one_run(model, ids, ub, S, count=True)
+        fresh = [one_run(model, ids, ub, S) for _ in range(runs)]
+        os.environ["MAMBA_DEBUG_LLAMA_KEEP"] = "1"
+        one_run(model, ids, ub, S)                              # its context is kept for the next run
         got = [one_run(model, ids, ub, S) for _ in range(runs)]
+        assert all(r["context"] == "kept from the previous run" for r in got), [r["context"] for r in got]
         med = {k: round(statistics.median(r[k] for r in got), 4) for k in ("traced_s", "untraced_s", "steps_s")}
         ratios = {k: round(statistics.median(r[k] for r in got), 2) for k in ("ratio", "steps_ratio")}
         rows.append({"setting": name, "ubatch": ub, "n_seqs": S, **med, **ratios,
-                     **{k: counted[k] for k in ("ubatches", "nodes_asked", "observe_calls", "callbacks",
-                                                "nodes_listed")}, "runs": runs})
+                     "fresh_context_ratio": round(statistics.median(r["ratio"] for r in fresh), 2),
+                     "first_run_ratio": round(first["ratio"], 2),
+                     "kept_context_c_asks": got[0]["c_asks"], "kept_context_python_calls": got[0]["python_calls"],
+                     **{k: first[k] for k in ("ubatches", "python_asks", "python_observes", "c_asks", "c_observes",
+                                              "nodes_listed", "callback")}, "runs": runs})
+        contexts.release()
     return rows
 
 
@@ -205,11 +231,11 @@ def main():
         return
     rows = bench(model, ids, args.runs)
     print(f"{'setting':<9} {'ubatches':>8} {'traced s':>9} {'untraced s':>10} {'ratio':>6} {'steps s':>8} "
-          f"{'steps/unt':>9} {'asked':>7} {'observed':>8} {'callbacks':>9}")
+          f"{'steps/unt':>9} {'fresh ctx':>9} {'1st run':>7} {'py asks':>7} {'C asks':>7} {'C obs':>6}")
     for r in rows:
         print(f"{r['setting']:<9} {r['ubatches']:>8} {r['traced_s']:>9.4f} {r['untraced_s']:>10.4f} "
-              f"{r['ratio']:>6.2f} {r['steps_s']:>8.4f} {r['steps_ratio']:>9.2f} {r['nodes_asked']:>7} "
-              f"{r['observe_calls']:>8} {r['callbacks']:>9}")
+              f"{r['ratio']:>6.2f} {r['steps_s']:>8.4f} {r['steps_ratio']:>9.2f} {r['fresh_context_ratio']:>9.2f} "
+              f"{r['first_run_ratio']:>7.2f} {r['python_asks']:>7} {r['c_asks']:>7} {r['c_observes']:>6}")
     floor_rows = floors(model, ids) if args.floors else None
     if floor_rows:
         print(f"\nms per decode (x untraced): {'graph':<7}" + "".join(f"{m:>17}" for m in FLOOR_MODES))

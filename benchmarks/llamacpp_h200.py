@@ -12,6 +12,7 @@ import argparse
 import collections
 import cProfile
 import json
+import os
 import pstats
 import resource
 import sys
@@ -84,7 +85,8 @@ def cell(model, ids, n_gen=N_GEN, **kw) -> dict:
             "local_replay_s": (lc.get("local_replay") or {}).get("seconds"),
             "fp32_everywhere": bool((lc.get("fp32_everywhere") or {}).get("asked")),
             "observer_bitwise": oe.get("logits_bitwise_identical"), "traced_s": oe.get("traced_s"),
-            "untraced_s": oe.get("untraced_s"), "n_gen": n_gen, **mem.row()}
+            "untraced_s": oe.get("untraced_s"), "context": lc.get("context"), "callback": lc.get("callback"),
+            "n_gen": n_gen, **mem.row()}
 
 
 def three_cell(model, ids, **kw) -> dict:
@@ -148,6 +150,9 @@ def main():
     ap.add_argument("--fp32-everywhere", action="store_true", help="big: every cell with --fp32-everywhere")
     ap.add_argument("--profile", action="store_true",
                     help="print a cProfile of each cell (top 25 by own time): where the traced seconds go")
+    ap.add_argument("--python-callback-first", action="store_true",
+                    help="run the first cell with the Python eval callback alone in a new context (MAMBA_DEBUG_NO_"
+                         "FASTPATH=1, MAMBA_DEBUG_LLAMA_KEEP=0): the baseline of the C fast path and kept contexts")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new cell after this many seconds (the rows so far are written)")
     ap.add_argument("--out", default="out/llamacpp_h200")
@@ -178,7 +183,12 @@ def main():
                      local=not a.on_demand, ref_device="cuda", n_gen=a.n_gen, prompt_tokens=int(P or len(ids)),
                      **({"fp32_everywhere": True} if a.fp32_everywhere else {}))
                 for v, ub, S, P in cells]
-    for kw in grid:
+    for i, kw in enumerate(grid):
+        baseline = a.python_callback_first and i == 0
+        os.environ.update({"MAMBA_DEBUG_NO_FASTPATH": "1", "MAMBA_DEBUG_LLAMA_KEEP": "0"} if baseline else {})
+        if a.python_callback_first and i == 1:
+            for k in ("MAMBA_DEBUG_NO_FASTPATH", "MAMBA_DEBUG_LLAMA_KEEP"):
+                os.environ.pop(k, None)
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
             print(f"budget of {a.budget_s:.0f} s spent: {len(grid) - len(rows)} cell(s) not run", flush=True)
             break
@@ -214,13 +224,13 @@ def main():
                                   "precision" if r.get("precision_text") else "clean")
         print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  {what[:50]:50} "
               f"{r.get('logits_rel_l2_max') or 0:9.2e}   {r.get('matmul_paths')}")
-    print("\ndevice ngl  ub  S  local      fp32  traced s  untraced s  x untraced  replay s  cell s")
+    print("\ndevice ngl  ub  S  local      fp32  traced s  untraced s  x untraced  replay s  cell s  context")
     for r in rows:
         if r.get("traced_s") and r.get("untraced_s"):
             print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  "
                   f"{'always' if r.get('local') else 'on demand':9}  {'yes' if r.get('fp32_everywhere') else 'no':4}  "
                   f"{r['traced_s']:8.3f}  {r['untraced_s']:10.4f}  {r['traced_s'] / r['untraced_s']:10.1f}  "
-                  f"{r.get('local_replay_s') or 0:8.2f}  {r['seconds']:6.1f}")
+                  f"{r.get('local_replay_s') or 0:8.2f}  {r['seconds']:6.1f}  {r.get('context')}")
 
 
 if __name__ == "__main__":

@@ -238,9 +238,11 @@ def test_a_smaller_last_group_runs_its_own_ubatches(subject):
 
 
 def _no_timings(j: dict) -> str:
+    """The JSON without what says how fast, or through which context and callback, the same numbers came."""
     j = {k: v for k, v in j.items() if k != "timings"}
     oe = j["config"]["llama_cpp"]["observer_effect"]
     oe["traced_s"] = oe["untraced_s"] = None
+    j["config"]["llama_cpp"]["context"] = j["config"]["llama_cpp"]["callback"] = None
     return json.dumps(j, sort_keys=True)
 
 
@@ -248,9 +250,12 @@ def test_a_repeated_graph_takes_the_trie_with_the_same_answers(subject, monkeypa
     """observe.py: a graph of a kind already seen takes the trie's path (one struct comparison per node, a yes only
     where a site needs a copy); the result is the one of mapping every graph node by node with every node
     observed (the path --local and the fault hook take)."""
-    from mamba_debug.sides.llamacpp import observe  # noqa: PLC0415
+    from mamba_debug.sides.llamacpp import contexts, fastpath, observe  # noqa: PLC0415
+    contexts.release()              # a context an earlier test kept would know every graph already
     calls = {"ask": 0, "slow": 0}
     ev, slow, begin = observe.Tracer.eval, observe.Tracer._slow, observe.Tracer.begin
+    made, init = [], fastpath.FastPath.__init__       # the C fast path answers the asks of a path it walks
+    monkeypatch.setattr(fastpath.FastPath, "__init__", lambda self, *a: made.append(self) or init(self, *a))
 
     def counted_eval(self, t, ask, user_data):
         calls["ask"] += bool(ask and self.tracing)
@@ -262,7 +267,9 @@ def test_a_repeated_graph_takes_the_trie_with_the_same_answers(subject, monkeypa
     monkeypatch.setattr(observe.Tracer, "eval", counted_eval)
     monkeypatch.setattr(observe.Tracer, "_slow", counted_slow)
     fast = compare(subject, 3, 2)
-    assert 0 < calls["slow"] < calls["ask"] / 3, calls         # most graphs are repeats of the first two
+    calls["c"] = sum(f.counts()["c_asks"] for f in made)
+    assert 0 < calls["slow"] < (calls["ask"] + calls["c"]) / 3, calls      # most graphs are repeats of the first two
+    assert calls["c"] > calls["ask"] or not fastpath.load()[0], calls     # ... answered in C where it compiled
     assert fast.first_divergence is None
 
     def node_by_node(self, *args, **kw):
@@ -275,8 +282,11 @@ def test_a_repeated_graph_takes_the_trie_with_the_same_answers(subject, monkeypa
 def test_a_finished_run_leaves_nothing_behind(subject, monkeypatch):
     """The eval callback lives as long as the process (llama.cpp may hold its pointer), and with it its Tracer: after
     a run, the Tracer holds no node data, graphs or LocalErrors (on a GPU, a 2.8B run's float64 weights), and the
-    context and model are freed, also when the run fails half way."""
-    from mamba_debug.sides.llamacpp import observe
+    context and model are freed, also when the run fails half way. Kept for the next run (contexts.py): the
+    context and its Tracer's trie, nothing of the run; freed when asked."""
+    from mamba_debug.sides.llamacpp import contexts, observe
+    contexts.release()
+    monkeypatch.setenv("MAMBA_DEBUG_LLAMA_KEEP", "0")
     tracers, sides = [], []
     monkeypatch.setattr(lside, "Tracer", lambda *a: tracers.append(observe.Tracer(*a)) or tracers[-1])
     real_init = lside.LlamaCppSide.__init__
@@ -291,6 +301,12 @@ def test_a_finished_run_leaves_nothing_behind(subject, monkeypatch):
     with pytest.raises(RuntimeError, match="half way"):
         compare(subject, 3, 2, local=True)
     assert sides[-1].ctx is None and sides[-1].lmodel is None and tracers[-1].local is None
+    monkeypatch.undo()
+    compare(subject, 3, 2, local=True)
+    kept = contexts._KEPT["context"][1].tracer
+    assert kept.local is None and not kept.data and not kept.graphs and not kept.weights
+    contexts.release()
+    assert not contexts._KEPT
 
 
 def test_per_token_local_errors_read_llamacpps_layouts(subject):

@@ -50,7 +50,7 @@ class _Step:
     """One node of a graph, mapped, given exactly the nodes before it on its path. A step rebuilt from what recall.py
     remembers makes its Node (from `kept` and its struct's bytes `raw`) only when asked for it: most never are."""
     __slots__ = ("parent", "index", "addr", "raw", "kept", "_node", "leaves", "read", "size", "shape", "emb", "kids",
-                 "next_raw", "next")
+                 "next_raw", "next", "mirror")
 
     def __init__(self, parent, index=-1, addr=None, raw=None, kept=None, node=None, leaves=None, read=None,
                  shape=None, emb=False):
@@ -59,6 +59,7 @@ class _Step:
         self.size = node.size if node is not None else kept.size if parent is not None else 0
         self.kids: dict = {}
         self.next_raw = self.next = None        # the first child: most graphs of a kind take one path
+        self.mirror = None                      # its C struct, once the fast path may walk it (fastpath.py)
 
     @property
     def node(self):
@@ -92,6 +93,8 @@ def graph_nodes(g: dict, sited: bool = False) -> list:
 class Tracer:
     """The side's eval callback (`eval`) and what it keeps: `begin` before each llama_decode, `end` after it."""
 
+    fast = None     # the C fast path (fastpath.FastPath), set by the side once it has made this Tracer's callback
+
     def __init__(self, lib, kinds: list, observed: frozenset, model=None):
         """model: what identifies the model's file (side.model_key); the remembered trie is this model's, library's,
         layer kinds' and observed sites' own (recall.py). None: nothing remembered across Tracers."""
@@ -108,14 +111,20 @@ class Tracer:
         self.memory = None if self.recall_key is None else recall.memory(self.recall_key)
         self.root = _Step(None, kept=None if self.memory is None else self.memory.root)
         self.pool, self.arena, self.steps = {}, None, 0
+        if self.fast is not None:
+            self.fast.reset()
 
     def release(self):
         """Drop everything it holds: the trie and its buffers, the weights kept for --local, the last ubatch's
         graphs and node data, and the LocalErrors (on a GPU, its float64 weights). The ctypes callback that wraps
-        `eval` is kept for the life of the process (side._KEEP), and with it this object: a 2.8B run left ~25 GB
-        of host and ~15 GB of GPU memory behind per run before this dropped the last three. What recall.py
+        `eval` is kept for the life of the process (contexts.KEEP_ALIVE), and with it this object: a 2.8B run left
+        ~25 GB of host and ~15 GB of GPU memory behind per run before this dropped the last three. What recall.py
         remembers (no addresses, buffers or values) stays for the next context."""
         self._reset_trie()
+        self.park()
+
+    def park(self):
+        """Drop all but the trie and its buffers: its context is kept for the next run (contexts.py)."""
         self.weights = {}
         self.tracing, self.local, self.fault, self.cur, self.gm = False, None, None, None, None
         self.graphs, self.names, self.data, self.at, self.checked, self.bufs = [], {}, {}, None, set(), {}
@@ -128,9 +137,15 @@ class Tracer:
         self.cur = self.gm = self.at = None
         self.legacy, self.checked, self.bufs = local is not None, set(), {}
         self.every = fault is not None      # the fault hook sees every node, between nodes
+        if self.fast is not None:
+            self.fast.begin(trace)
 
     def end(self) -> list:
         self.tracing = False
+        if self.fast is not None:           # what the fast path walked and copied
+            self._sync()
+            self.data.update(self.fast.observed_reads())
+            self.fast.begin(False)
         if self.graphs and "map" not in self.graphs[0]:
             self._close(self.graphs[0])
         return self.graphs
@@ -145,15 +160,12 @@ class Tracer:
             if not self.tracing:
                 return False
             try:
-                cur = self.cur
-                if cur is not None:
-                    raw = STRUCT.from_address(t).raw
-                    s = cur.next if raw == cur.next_raw else cur.kids.get(raw)
-                    if s is not None and (s.leaves is None or self._same_leaves(s.leaves)):
-                        self.cur = s
-                        return self.every or s.read is not None
-                    return self._slow(t, raw)
-                return self.legacy or self._slow(t, None)
+                if self.fast is None:
+                    return self._ask(t)
+                self._sync()
+                yes = self._ask(t)
+                self.fast.go(self.cur if self.tracing and not (self.legacy or self.every) else None)
+                return yes
             except BaseException as exc:  # noqa: BLE001 (kept, raised after llama_decode)
                 return self._fail(exc)
         try:
@@ -175,10 +187,29 @@ class Tracer:
             self._fail(exc)
         return True
 
+    def _ask(self, t) -> bool:
+        cur = self.cur
+        if cur is not None:
+            raw = STRUCT.from_address(t).raw
+            s = cur.next if raw == cur.next_raw else cur.kids.get(raw)
+            if s is not None and (s.leaves is None or self._same_leaves(s.leaves)):
+                self.cur = s
+                return self.every or s.read is not None
+            return self._slow(t, raw)
+        return self.legacy or self._slow(t, None)
+
+    def _sync(self):
+        """Python's turn after the fast path walked on: its last step is where this graph stands."""
+        at = self.fast.at()
+        if at is not None:
+            self.cur = at
+
     def _fail(self, exc) -> bool:
         if self.error is None:
             self.error = exc
         self.legacy, self.tracing = False, False        # nothing more asked for: the decode ends as it is
+        if self.fast is not None:
+            self.fast.begin(False)
         return False
 
     def _same_leaves(self, leaves) -> bool:
@@ -222,6 +253,8 @@ class Tracer:
         read = None if kept.view is None else self._buffer(kept, index)
         s = self.cur = cur.add(raw, _Step(cur, index, t, raw, kept, node, tuple(self.new_leaves) or None, read,
                                           kept.conv or cur.shape, kept.emb))
+        if cur.mirror is not None and cur.next is s:    # the fast path reached cur: it may walk on to s next time
+            self.fast.linked(cur)
         self.steps += 1
         if cur is self.root:
             self._start(s, t)

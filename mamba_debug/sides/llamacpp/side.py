@@ -22,7 +22,8 @@ from ...errors import MambaDebugError
 from ...settings import RunSettings
 from ...trace import SideInfo
 from ..base import StepOutput
-from .lib import EvalCallback, LogCallback, load_library
+from .lib import LogCallback, load_library
+from . import contexts
 from .observe import Tracer, graph_nodes
 from .reference import derived_sites
 from .local import CUBLAS_FP32, LocalErrors, path_of
@@ -35,7 +36,6 @@ from .nodes import HEAD_SITES, LAYER_SITES
 # is not empty, before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes
 # consume it. Read at the start of each decode.
 FAULT: Optional[Callable] = None
-_KEEP = []          # ctypes callbacks handed to the library live as long as the process
 
 
 def gguf_for(model, cache_dir: Optional[Path] = None) -> Path:
@@ -88,12 +88,14 @@ class LlamaCppSide:
         lib.llama_backend_init()
         if not os.environ.get("MAMBA_DEBUG_LLAMA_LOG"):
             quiet = LogCallback(lambda level, text, ud: None)
-            _KEEP.append(quiet)
+            contexts.KEEP_ALIVE.append(quiet)
             lib.llama_log_set(ctypes.cast(quiet, ctypes.c_void_p), None)
         mp = lib.llama_model_default_params().params
         mp.n_gpu_layers = 0 if self.s.device == "cpu" else self.s.offload
         split = self._split(mp)
-        self.lmodel = lib.llama_model_load_from_file(str(self.gguf).encode(), mp)
+        self.model_key = (str(lib.path), model_key(self.gguf), self.s.device, mp.n_gpu_layers, repr(split))
+        self.lmodel = contexts.take_model(self.model_key, lib) or \
+            lib.llama_model_load_from_file(str(self.gguf).encode(), mp)
         if not self.lmodel:
             raise MambaDebugError(f"{self.gguf}: {lib.path} could not load this GGUF (run with "
                                   f"MAMBA_DEBUG_LLAMA_LOG=1 to see llama.cpp's log)")
@@ -118,7 +120,8 @@ class LlamaCppSide:
         if not self.s.devices:
             return {}
         shares = split_array(self.s.devices, self.s.tensor_split, self.lib.devices)
-        self._tensor_split = (ctypes.c_float * len(shares))(*shares)      # alive as long as the model
+        self._tensor_split = (ctypes.c_float * len(shares))(*shares)
+        contexts.KEEP_ALIVE.append(self._tensor_split)          # alive as long as the model (kept: longer)
         mp.split_mode = SPLIT_MODE_LAYER
         mp.tensor_split = ctypes.cast(self._tensor_split, ctypes.c_void_p)
         return {"split_mode": "layer", "tensor_split": list(shares), "split_devices": list(self.s.devices)}
@@ -138,6 +141,12 @@ class LlamaCppSide:
         lib = self.lib
         if self.ctx:
             lib.llama_free(self.ctx)
+        self.context_key = (n_tokens, self.s.ubatch, n_seqs, self._threads(), self._op_offload())
+        kept = contexts.take_context(self.context_key) if not self.ctx else None
+        if kept is not None:        # the previous run's context (contexts.py): its graphs are known
+            self.ctx, self.mem, self.tracer = kept.ctx, kept.mem, kept.tracer
+            self.info.extra.update(callback=kept.callback_text, context="kept from the previous run")
+            return
         cp = lib.llama_context_default_params().params
         cp.n_ctx = max(512, n_tokens + 8)
         cp.n_batch = cp.n_ctx
@@ -149,12 +158,10 @@ class LlamaCppSide:
         if "attention" in self.kinds:       # an f32 KV cache (llama.cpp's default f16 one alone costs ~3e-4), read
             cp.type_k = cp.type_v = 0       # as f32: flash attention would cast K and V to f16 (llama-graph.cpp)
             cp.flash_attn_type = 0          # LLAMA_FLASH_ATTN_TYPE_DISABLED
-        if self.tracer is not None:         # its callback stays alive (_KEEP): free what it holds
+        if self.tracer is not None:         # its callback stays alive (KEEP_ALIVE): free what it holds
             self.tracer.release()
         self.tracer = Tracer(self.lib, self.kinds, self.observed_sites(), model_key(self.gguf))  # this context's
-        self._cb = EvalCallback(self.tracer.eval)
-        _KEEP.append(self._cb)
-        cp.cb_eval = ctypes.cast(self._cb, ctypes.c_void_p)
+        self.info.extra.update(callback=contexts.callback(lib, self.tracer, cp), context="new")
         self.ctx = lib.llama_init_from_model(self.lmodel, cp)
         if not self.ctx:
             raise MambaDebugError(f"{lib.path}: llama_init_from_model failed for n_seq_max {n_seqs}, -ub "
@@ -241,7 +248,7 @@ class LlamaCppSide:
                 worst = max(worst, float((plain - logits).abs().max()))
         out = {"logits_bitwise_identical": first is None, "first_different_ubatch": first, "max_abs_diff": worst,
                "traced_s": round(sum(h[-1] for h in self._history), 4), "untraced_s": round(untraced, 4),
-               "untraced_means": "the eval callback answers no to every ask"}
+               "untraced_means": "the eval callback answers no to every ask (in C, where the fast path runs)"}
         self.info.extra["observer_effect"] = out
         if self.local is not None:
             self.info.extra["local"] = self.local.to_dict()
@@ -319,7 +326,13 @@ class LlamaCppSide:
         return same
 
     def close(self):
-        """Free the context and the model (a sweep builds one side per cell)."""
+        """Free the context and the model, or keep them for the next run with the same settings (contexts.py; a
+        sweep builds one side per cell)."""
+        bundle = contexts.Bundle(self.ctx, self.mem, self.tracer, self.info.extra.get("callback")) \
+            if self.ctx else None
+        if contexts.keep(self.lib, self.model_key, self.lmodel, getattr(self, "context_key", None), bundle):
+            self.ctx = self.lmodel = self.tracer = None
+            return
         if self.ctx:
             self.lib.llama_free(self.ctx)
             self.ctx = None

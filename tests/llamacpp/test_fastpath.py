@@ -1,0 +1,96 @@
+"""The eval callback's C fast path (fastpath.c / fastpath.py) and the context kept between runs (contexts.py) change no
+answer: a run through them gives the JSON of a run with the Python callback alone in a new context; the JSON says
+which ran; a kept context is used by the next run of the same settings only; where the C file cannot be compiled
+the Python callback runs and the JSON says why.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh")
+
+from mamba_debug.compare import run_compare  # noqa: E402
+from mamba_debug.io import export_gguf, load_model  # noqa: E402
+from mamba_debug.settings import RunSettings  # noqa: E402
+from mamba_debug.sides.llamacpp import contexts, fastpath  # noqa: E402
+from mamba_debug.views.summary import to_json  # noqa: E402
+
+PROMPT = "It was a fine morning in the country, and Mr. Darcy"
+
+
+@pytest.fixture(scope="module")
+def subject(tmp_path_factory):
+    path = export_gguf(load_model(None), tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf", dtype="f32")
+    model = load_model(path)
+    return model, model.encode(PROMPT)
+
+
+@pytest.fixture(autouse=True)
+def nothing_kept():
+    contexts.release()
+    yield
+    contexts.release()
+
+
+def run(subject, ubatch: int, n_seqs: int) -> dict:
+    model, ids = subject
+    return to_json(run_compare(model, ids, RunSettings(engine="llama.cpp", device="cpu", ubatch=ubatch,
+                                                       n_seqs=n_seqs, n_gen=3)))
+
+
+def same(a: dict, b: dict) -> bool:
+    """The same answer: all but the timings and the words on how it was reached."""
+    def strip(j):
+        j = json.loads(json.dumps(j))
+        j.pop("timings", None)
+        lc = j["config"]["llama_cpp"]
+        lc["observer_effect"]["traced_s"] = lc["observer_effect"]["untraced_s"] = None
+        lc["context"] = lc["callback"] = None
+        return json.dumps(j, sort_keys=True)
+    return strip(a) == strip(b)
+
+
+def test_the_fast_path_and_a_kept_context_change_no_answer(subject, monkeypatch):
+    made, init = [], fastpath.FastPath.__init__
+    monkeypatch.setattr(fastpath.FastPath, "__init__", lambda self, *a: made.append(self) or init(self, *a))
+    monkeypatch.setenv("MAMBA_DEBUG_NO_FASTPATH", "1")
+    monkeypatch.setenv("MAMBA_DEBUG_LLAMA_KEEP", "0")
+    plain = run(subject, 3, 2)
+    assert plain["config"]["llama_cpp"]["callback"] == "Python (off by request)" and not made
+    monkeypatch.delenv("MAMBA_DEBUG_NO_FASTPATH")
+    monkeypatch.setenv("MAMBA_DEBUG_LLAMA_KEEP", "1")
+    first = run(subject, 3, 2)
+    assert first["config"]["llama_cpp"]["callback"].startswith("C fast path") and len(made) == 1
+    assert first["config"]["llama_cpp"]["context"] == "new" and same(first, plain)
+    before = made[0].counts()
+    again = run(subject, 3, 2)
+    assert again["config"]["llama_cpp"]["context"] == "kept from the previous run" and len(made) == 1
+    assert same(again, plain)
+    c = {k: v - before[k] for k, v in made[0].counts().items()}
+    # the second run's graphs are all known: C answers every ask and observe but the first node's of each decode
+    # (there the Python callback starts the graph: the tokens it embeds) and copies every value a site needs
+    n_decodes = len(subject[1]) + 3             # -ub 3 over 2 sequences: one token a sequence per ubatch
+    assert c["c_asks"] > 20 * c["python_calls"] and c["c_observes"] > 0 and c["python_calls"] <= 2 * n_decodes, c
+
+
+def test_a_kept_context_serves_its_own_settings_only(subject):
+    run(subject, 3, 2)
+    assert contexts._KEPT["context"][0][1:3] == (3, 2)
+    other = run(subject, 4, 1)
+    assert other["config"]["llama_cpp"]["context"] == "new"
+    assert contexts._KEPT["context"][0][1:3] == (4, 1)
+
+
+def test_without_a_compiler_the_python_callback_runs_and_says_why(subject, monkeypatch, tmp_path):
+    monkeypatch.setattr(fastpath, "_LOADED", {})
+    monkeypatch.setenv("MAMBA_DEBUG_CACHE", str(tmp_path))        # no library compiled before
+    monkeypatch.setenv("CC", "false")
+    got = run(subject, 2, 1)
+    why = got["config"]["llama_cpp"]["callback"]
+    assert why.startswith("Python (the C fast path is not available (false failed on ") and "fastpath.c" in why
+    monkeypatch.setattr(fastpath, "_LOADED", {})
+    monkeypatch.delenv("CC")
+    contexts.release()
+    assert same(run(subject, 2, 1), got)
