@@ -20,6 +20,7 @@ Writes benchmarks/results/dashboard_cpu.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -105,6 +106,7 @@ def main() -> int:
 
     result = {
         "what": "mamba-debug dashboard responsiveness on the shipped tiny model (ms)",
+        "date": datetime.date.today().isoformat(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "triton": triton.__version__,
                     "device": resolve_device(None), "loadavg_before": [round(x, 2) for x in load_before],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import json
 import os
 import platform
@@ -43,7 +44,7 @@ PLAIN = getattr(lside, "Tracer", None)
 
 SETTINGS = {"ub512x1": (512, 1), "ub8x1": (8, 1), "ub3x2": (3, 2)}
 OUT = ROOT / "benchmarks" / "results" / "llamacpp_cpu.json"
-DATE = "2026-12-01"
+DATE = datetime.date.today().isoformat()
 
 
 class Counts:
