@@ -25,6 +25,7 @@ import platform
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ import mamba_debug as md  # noqa: E402
 from mamba_debug.cli import DEFAULT_PROMPT  # noqa: E402
 from mamba_debug.compare import sequence_prompts  # noqa: E402
 from mamba_debug.settings import RunSettings  # noqa: E402
-from mamba_debug.sides.llamacpp import contexts  # noqa: E402
+from mamba_debug.sides.llamacpp import contexts, recall  # noqa: E402
 from mamba_debug.sides.llamacpp import side as lside  # noqa: E402
 
 PLAIN = getattr(lside, "Tracer", None)
@@ -183,15 +184,24 @@ def observe_nodes(side) -> list:
 
 
 def bench(model, ids, runs: int) -> list:
-    """Per setting: its first run in this process (a new context: its graphs mapped in Python, from what recall.py
-    remembers of the settings before it where it can), then `runs` runs each in a new context (a fresh side with
-    MAMBA_DEBUG_LLAMA_KEEP=0: what the previous figures measured), then `runs` runs of new sides that take over the
-    context the one before kept (contexts.py; a sweep's cells and the dashboard's runs of one setting): the
-    headline `ratio`. The counts are of the first run (Python's callbacks; the C fast path's asks and observes)."""
+    """Per setting, in one process with an empty cache folder: its first run as a new process's with nothing
+    remembered (recall.py's memory emptied: every first graph mapped node by node), its first run as a new process's
+    that finds the trie an earlier process wrote (recall_disk.py), `runs` runs each in a new context (a fresh side
+    with MAMBA_DEBUG_LLAMA_KEEP=0, recall.py's memory filled: what the figures before kept contexts measured), then
+    `runs` runs of new sides that take over the context the one before kept (contexts.py; a sweep's cells and the
+    dashboard's runs of one setting): the headline `ratio`. The counts are of the cold first run (Python's
+    callbacks; the C fast path's asks and observes)."""
     rows = []
     for name, (ub, S) in SETTINGS.items():
         os.environ["MAMBA_DEBUG_LLAMA_KEEP"] = "0"
+        recall._MEMORY.clear()
         first = one_run(model, ids, ub, S, count=True)
+        os.environ["MAMBA_DEBUG_LLAMA_KEEP"] = "1"
+        one_run(model, ids, ub, S)                              # writes the trie to disk
+        contexts.release()
+        recall._MEMORY.clear()
+        from_disk = one_run(model, ids, ub, S)
+        os.environ["MAMBA_DEBUG_LLAMA_KEEP"] = "0"
         fresh = [one_run(model, ids, ub, S) for _ in range(runs)]
         os.environ["MAMBA_DEBUG_LLAMA_KEEP"] = "1"
         one_run(model, ids, ub, S)                              # its context is kept for the next run
@@ -201,7 +211,7 @@ def bench(model, ids, runs: int) -> list:
         ratios = {k: round(statistics.median(r[k] for r in got), 2) for k in ("ratio", "steps_ratio")}
         rows.append({"setting": name, "ubatch": ub, "n_seqs": S, **med, **ratios,
                      "fresh_context_ratio": round(statistics.median(r["ratio"] for r in fresh), 2),
-                     "first_run_ratio": round(first["ratio"], 2),
+                     "first_run_ratio": round(first["ratio"], 2), "first_run_from_disk_ratio": round(from_disk["ratio"], 2),
                      "kept_context_c_asks": got[0]["c_asks"], "kept_context_python_calls": got[0]["python_calls"],
                      **{k: first[k] for k in ("ubatches", "python_asks", "python_observes", "c_asks", "c_observes",
                                               "nodes_listed", "callback")}, "runs": runs})
@@ -219,6 +229,7 @@ def main():
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    os.environ["MAMBA_DEBUG_CACHE"] = tempfile.mkdtemp(prefix="llamacpp-bench-")     # no trie of earlier runs
     torch.set_num_threads(1)
     model = md.load_model(None)
     ids = model.encode(DEFAULT_PROMPT)
@@ -232,11 +243,12 @@ def main():
         return
     rows = bench(model, ids, args.runs)
     print(f"{'setting':<9} {'ubatches':>8} {'traced s':>9} {'untraced s':>10} {'ratio':>6} {'steps s':>8} "
-          f"{'steps/unt':>9} {'fresh ctx':>9} {'1st run':>7} {'py asks':>7} {'C asks':>7} {'C obs':>6}")
+          f"{'steps/unt':>9} {'fresh ctx':>9} {'1st run':>7} {'1st/disk':>8} {'py asks':>7} {'C asks':>7} {'C obs':>6}")
     for r in rows:
         print(f"{r['setting']:<9} {r['ubatches']:>8} {r['traced_s']:>9.4f} {r['untraced_s']:>10.4f} "
               f"{r['ratio']:>6.2f} {r['steps_s']:>8.4f} {r['steps_ratio']:>9.2f} {r['fresh_context_ratio']:>9.2f} "
-              f"{r['first_run_ratio']:>7.2f} {r['python_asks']:>7} {r['c_asks']:>7} {r['c_observes']:>6}")
+              f"{r['first_run_ratio']:>7.2f} {r['first_run_from_disk_ratio']:>8.2f} {r['python_asks']:>7} "
+              f"{r['c_asks']:>7} {r['c_observes']:>6}")
     floor_rows = floors(model, ids) if args.floors else None
     if floor_rows:
         print(f"\nms per decode (x untraced): {'graph':<7}" + "".join(f"{m:>17}" for m in FLOOR_MODES))

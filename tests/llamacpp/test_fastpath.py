@@ -94,3 +94,41 @@ def test_without_a_compiler_the_python_callback_runs_and_says_why(subject, monke
     monkeypatch.delenv("CC")
     contexts.release()
     assert same(run(subject, 2, 1), got)
+
+
+def test_what_is_remembered_on_disk_gives_the_same_answers(subject, monkeypatch, tmp_path):
+    """recall_disk.py: a new process (here: recall.py's memory emptied, no context kept) recalls its first graphs
+    from the trie an earlier run wrote, with the answers of a run that mapped every graph node by node; a file that
+    does not read, or that names any class, is a cache miss (removed, mapped node by node again)."""
+    import pickle
+    from collections import OrderedDict
+
+    import numpy as np
+
+    from mamba_debug.sides.llamacpp import observe, recall
+    calls = {"read_node": 0}
+    real = observe.read_node
+
+    def counted(*a, **kw):
+        calls["read_node"] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(observe, "read_node", counted)
+    monkeypatch.setenv("MAMBA_DEBUG_CACHE", str(tmp_path))
+
+    def new_process(keep: str = "1") -> dict:
+        contexts.release()
+        monkeypatch.setattr(recall, "_MEMORY", OrderedDict())
+        monkeypatch.setenv("MAMBA_DEBUG_LLAMA_KEEP", keep)
+        calls["read_node"] = 0
+        return run(subject, 8, 1)
+    plain = new_process("0")                # nothing kept, nothing on disk: every first graph node by node
+    mapped = calls["read_node"]
+    assert mapped > 1000 and not (tmp_path / "recall").exists()
+    assert same(new_process(), plain)       # node by node again; the trie written
+    files = list((tmp_path / "recall").glob("*.pkl"))
+    assert len(files) == 1 and calls["read_node"] == mapped
+    assert same(new_process(), plain) and calls["read_node"] < mapped / 20, calls     # recalled from disk
+    for junk in (b"not a pickle", pickle.dumps((1, 5, [(-1, None, None)], np.float32))):
+        files[0].write_bytes(junk)
+        assert same(new_process(), plain) and calls["read_node"] == mapped          # refused: node by node
+        assert files[0].read_bytes() != junk                                        # and written anew

@@ -124,7 +124,9 @@ class Tracer:
         self.park()
 
     def park(self):
-        """Drop all but the trie and its buffers: its context is kept for the next run (contexts.py)."""
+        """Drop all but the trie and its buffers: its context is kept for the next run (contexts.py). What recall.py
+        remembers goes to disk if it grew (the next process recalls its first graphs)."""
+        recall.persist(self.recall_key)
         self.weights = {}
         self.tracing, self.local, self.fault, self.cur, self.gm = False, None, None, None, None
         self.graphs, self.names, self.data, self.at, self.checked, self.bufs = [], {}, {}, None, set(), {}

@@ -25,6 +25,7 @@ import struct
 from collections import OrderedDict
 from typing import Optional
 
+from . import recall_disk as disk
 from .lib import GgmlTensor as _T
 from .nodes import LAYOUT, Node
 
@@ -62,14 +63,16 @@ class Kept:
 
 
 class Memory:
-    """The remembered trie of one model and library: `root` (the first node of each graph kind), `steps` kept."""
+    """The remembered trie of one model and library: `root` (the first node of each graph kind), `steps` kept;
+    `dirty`: steps added since it was last written to disk."""
 
     def __init__(self):
-        self.root, self.steps = Kept(), 0
+        self.root, self.steps, self.dirty = Kept(), 0, False
 
     def add(self, parent: Kept, key: tuple, kid: Kept) -> Kept:
         parent.kids[key] = kid
         self.steps += 1
+        self.dirty = True
         return kid
 
     def full(self) -> bool:
@@ -80,7 +83,7 @@ def memory(key: tuple) -> Memory:
     """The remembered trie for this model and library (key: see the module docstring), made on first use."""
     m = _MEMORY.get(key)
     if m is None or m.full():
-        m = _MEMORY[key] = Memory()
+        m = _MEMORY[key] = (disk.load(key, Memory, Kept) if m is None else None) or Memory()
         while len(_MEMORY) > MAX_MODELS:
             _MEMORY.popitem(last=False)
     _MEMORY.move_to_end(key)
@@ -95,3 +98,12 @@ def node_key(raw: bytes, at: dict, leaf_name, buffer_name) -> tuple:
     return (fixed + raw[NAME_OFF:NAME_OFF + 64].split(b"\0", 1)[0],
             buffer_name(BUFFER.unpack_from(raw, _T.buffer.offset)[0]),
             tuple([-1 if not a else at[a] if a in at else leaf_name(a) for a in PTRS.unpack_from(raw, PTRS_OFF)]))
+
+
+def persist(key: Optional[tuple]):
+    """Write this model's and library's remembered trie to disk if it grew (recall_disk.py: the next process's first
+    graphs are then recalled, not mapped node by node)."""
+    m = _MEMORY.get(key) if key is not None else None
+    if m is not None and m.dirty:
+        disk.save(key, m)
+        m.dirty = False
