@@ -24,6 +24,7 @@ import os
 import platform
 import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -219,8 +220,28 @@ def bench(model, ids, runs: int) -> list:
     return rows
 
 
+def new_processes(reps: int = 3) -> list:
+    """Per setting, its run as a new process's (what each `mamba-debug compare --engine llama.cpp` is): a process of
+    its own with nothing remembered (MAMBA_DEBUG_LLAMA_KEEP=0: no trie read from disk), and one that reads the trie
+    an earlier process wrote (recall_disk.py). Medians of `reps` processes each."""
+    rows = []
+    for name, (ub, S) in SETTINGS.items():
+        def spawn(keep: str) -> dict:
+            env = dict(os.environ, MAMBA_DEBUG_LLAMA_KEEP=keep)
+            out = subprocess.run([sys.executable, __file__, "--one-run", name], env=env, capture_output=True,
+                                 text=True, check=True).stdout
+            return json.loads(out.strip().splitlines()[-1])
+        spawn("1")                                  # writes the trie of this setting's graphs
+        got = {k: [spawn(k) for _ in range(reps)] for k in ("0", "1")}
+        med = {k: {m: round(statistics.median(r[m] for r in v), 4) for m in ("traced_s", "untraced_s", "ratio")}
+               for k, v in got.items()}
+        rows.append({"setting": name, "nothing_remembered": med["0"], "trie_from_disk": med["1"], "processes": reps})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--one-run", choices=sorted(SETTINGS), help=argparse.SUPPRESS)     # new_processes' child
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--label", default="current", help="key of these rows in the result file (before / after)")
     ap.add_argument("--commit", default=None, help="the commit measured, recorded with the rows")
@@ -229,10 +250,15 @@ def main():
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    os.environ["MAMBA_DEBUG_CACHE"] = tempfile.mkdtemp(prefix="llamacpp-bench-")     # no trie of earlier runs
+    if not args.one_run:
+        os.environ["MAMBA_DEBUG_CACHE"] = tempfile.mkdtemp(prefix="llamacpp-bench-")     # no trie of earlier runs
     torch.set_num_threads(1)
     model = md.load_model(None)
     ids = model.encode(DEFAULT_PROMPT)
+    if args.one_run:
+        r = one_run(model, ids, *SETTINGS[args.one_run])
+        print(json.dumps({k: r[k] for k in ("traced_s", "untraced_s", "ratio")}))
+        return
     if args.profile:
         ub, S = SETTINGS[args.profile]
         one_run(model, ids, ub, S)
@@ -249,6 +275,10 @@ def main():
               f"{r['ratio']:>6.2f} {r['steps_s']:>8.4f} {r['steps_ratio']:>9.2f} {r['fresh_context_ratio']:>9.2f} "
               f"{r['first_run_ratio']:>7.2f} {r['first_run_from_disk_ratio']:>8.2f} {r['python_asks']:>7} "
               f"{r['c_asks']:>7} {r['c_observes']:>6}")
+    proc_rows = new_processes()
+    print("\nnew process (x untraced): setting   nothing remembered   trie from disk")
+    for r in proc_rows:
+        print(f"{'':26}{r['setting']:<9} {r['nothing_remembered']['ratio']:>18.2f} {r['trie_from_disk']['ratio']:>16.2f}")
     floor_rows = floors(model, ids) if args.floors else None
     if floor_rows:
         print(f"\nms per decode (x untraced): {'graph':<7}" + "".join(f"{m:>17}" for m in FLOOR_MODES))
@@ -264,6 +294,7 @@ def main():
                 "model": str(model), "prompt_tokens": len(ids), "n_gen": RunSettings().n_gen,
                 "library": "llama-cpp-python 0.3.36 (llama.cpp 0c1e570), CPU build"})
     old.setdefault("runs", {})[args.label] = {"date": DATE, "commit": args.commit, "rows": rows,
+                                              "new_process": proc_rows,
                                               **({"floors": floor_rows} if floor_rows else {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(old, indent=1) + "\n")
