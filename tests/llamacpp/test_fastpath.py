@@ -96,7 +96,7 @@ def test_without_a_compiler_the_python_callback_runs_and_says_why(subject, monke
     assert same(run(subject, 2, 1), got)
 
 
-def test_what_is_remembered_on_disk_gives_the_same_answers(subject, monkeypatch, tmp_path):
+def test_what_is_remembered_on_disk_gives_the_same_answers(subject, monkeypatch, tmp_path, read_node_calls):
     """recall_disk.py: a new process (here: recall.py's memory emptied, no context kept) recalls its first graphs
     from the trie an earlier run wrote, with the answers of a run that mapped every graph node by node; a file that
     does not read, or that names any class, is a cache miss (removed, mapped node by node again)."""
@@ -105,14 +105,8 @@ def test_what_is_remembered_on_disk_gives_the_same_answers(subject, monkeypatch,
 
     import numpy as np
 
-    from mamba_debug.sides.llamacpp import observe, recall
-    calls = {"read_node": 0}
-    real = observe.read_node
-
-    def counted(*a, **kw):
-        calls["read_node"] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(observe, "read_node", counted)
+    from mamba_debug.sides.llamacpp import recall
+    calls = read_node_calls
     monkeypatch.setenv("MAMBA_DEBUG_CACHE", str(tmp_path))
 
     def new_process(keep: str = "1") -> dict:

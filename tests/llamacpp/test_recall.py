@@ -29,21 +29,14 @@ def gguf(tmp_path_factory):
 
 
 @pytest.fixture
-def fresh(monkeypatch):
+def fresh(monkeypatch, read_node_calls):
     """Nothing remembered from other tests; read_node calls counted (the node-by-node path's cost); every side in
     a new context (none kept between runs: contexts.py), as recall.py is about new contexts."""
     from mamba_debug.sides.llamacpp import contexts  # noqa: PLC0415
     contexts.release()
     monkeypatch.setenv("MAMBA_DEBUG_LLAMA_KEEP", "0")
     monkeypatch.setattr(recall, "_MEMORY", OrderedDict())
-    calls = {"read_node": 0}
-    real = observe.read_node
-
-    def counted(*a, **kw):
-        calls["read_node"] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(observe, "read_node", counted)
-    return calls
+    return read_node_calls
 
 
 def describe(nodes: list) -> list:
