@@ -43,6 +43,8 @@ _LAZY = {
     "per_layer": ("views.summary", "per_layer"), "verdict": ("views.summary", "verdict"),
     "write_report": ("views.report", "write_report"), "views": ("views", None),
     "Dashboard": ("dashboard", "Dashboard"),
+    # frees the llama.cpp model and context a finished run keeps for the next one (sides/llamacpp/contexts.py)
+    "release_llama_cpp": ("sides.llamacpp.contexts", "release"),
 }
 
 

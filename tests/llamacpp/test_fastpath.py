@@ -76,11 +76,14 @@ def test_the_fast_path_and_a_kept_context_change_no_answer(subject, monkeypatch)
 
 
 def test_a_kept_context_serves_its_own_settings_only(subject):
+    import mamba_debug as md
     run(subject, 3, 2)
     assert contexts._KEPT["context"][0][1:3] == (3, 2)
     other = run(subject, 4, 1)
     assert other["config"]["llama_cpp"]["context"] == "new"
     assert contexts._KEPT["context"][0][1:3] == (4, 1)
+    md.release_llama_cpp()                      # what a notebook calls to give the memory back
+    assert not contexts._KEPT
 
 
 def test_without_a_compiler_the_python_callback_runs_and_says_why(subject, monkeypatch, tmp_path):
