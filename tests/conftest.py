@@ -81,3 +81,18 @@ def bounded_rss():
     yield
     grown = (_peak_rss_kib() - before) / 1024
     assert grown <= RSS_BUDGET_MB, f"peak memory grew by {grown:.0f} MB during the test (budget {RSS_BUDGET_MB} MB)"
+
+
+@pytest.fixture
+def read_node_calls(monkeypatch):
+    """The llama.cpp side's observe.read_node calls counted: the node-by-node mapping's cost (a recalled or known
+    node reads none)."""
+    from mamba_debug.sides.llamacpp import observe  # noqa: PLC0415
+    calls = {"read_node": 0}
+    real = observe.read_node
+
+    def counted(*a, **kw):
+        calls["read_node"] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(observe, "read_node", counted)
+    return calls
