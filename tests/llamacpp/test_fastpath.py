@@ -129,3 +129,16 @@ def test_what_is_remembered_on_disk_gives_the_same_answers(subject, monkeypatch,
         files[0].write_bytes(junk)
         assert same(new_process(), plain) and calls["read_node"] == mapped          # refused: node by node
         assert files[0].read_bytes() != junk                                        # and written anew
+
+
+def test_a_failed_run_keeps_its_model_but_not_its_context(subject, monkeypatch):
+    from mamba_debug.sides.llamacpp import side as lside
+
+    def broken(node, array, u, first_seq):
+        raise RuntimeError("the fault hook failed")
+    monkeypatch.setattr(lside, "FAULT", broken)
+    with pytest.raises(RuntimeError, match="the fault hook failed"):
+        run(subject, 2, 1)
+    assert "context" not in contexts._KEPT and "model" in contexts._KEPT
+    monkeypatch.setattr(lside, "FAULT", None)
+    assert run(subject, 2, 1)["config"]["llama_cpp"]["context"] == "new"

@@ -72,15 +72,18 @@ def take_context(key: tuple) -> Optional[Bundle]:
     return None
 
 
-def keep(lib, model_key: tuple, lmodel, context_key: Optional[tuple], bundle: Optional[Bundle]) -> bool:
-    """Keep a closing side's model and context for the next run; False: not kept (the caller frees them)."""
+def keep(lib, model_key: tuple, lmodel, context_key: Optional[tuple], bundle: Bundle) -> bool:
+    """Keep a closing side's model, and its context unless it has no key (a failed decode: that one is freed here),
+    for the next run; False: nothing kept (the caller frees both)."""
     if not keeping() or not lmodel:
         return False
     release()
     _KEPT["model"] = (model_key, lib, lmodel)
-    if bundle is not None and bundle.ctx:
+    if bundle.ctx and context_key is not None:
         bundle.tracer.park()
         _KEPT["context"] = (context_key, bundle)
+    elif bundle.ctx:
+        _free_context(bundle)
     return True
 
 

@@ -328,8 +328,7 @@ class LlamaCppSide:
     def close(self):
         """Free the context and the model, or keep them for the next run with the same settings (contexts.py; a
         sweep builds one side per cell)."""
-        bundle = contexts.Bundle(self.ctx, self.mem, self.tracer, self.info.extra.get("callback")) \
-            if self.ctx else None
+        bundle = contexts.Bundle(self.ctx, self.mem, self.tracer, self.info.extra.get("callback"))
         if contexts.keep(self.lib, self.model_key, self.lmodel, getattr(self, "context_key", None), bundle):
             self.ctx = self.lmodel = self.tracer = None
             return
@@ -383,6 +382,8 @@ class LlamaCppSide:
             tracer.begin(trace, self.u, self.first_seq, FAULT, self.local)
             rc = lib.llama_decode(self.ctx, b)
             graphs = tracer.end()
+            if tracer.error is not None or rc != 0:
+                self.context_key = None         # a failed decode's context is not kept for another run (contexts.py)
             if tracer.error is not None:
                 raise tracer.error
             if rc != 0:
