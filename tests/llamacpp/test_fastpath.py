@@ -108,7 +108,9 @@ def test_what_is_remembered_on_disk_gives_the_same_answers(subject, monkeypatch,
 
     import numpy as np
 
-    from mamba_debug.sides.llamacpp import recall
+    import os
+
+    from mamba_debug.sides.llamacpp import recall, recall_disk
     calls = read_node_calls
     monkeypatch.setenv("MAMBA_DEBUG_CACHE", str(tmp_path))
 
@@ -125,6 +127,16 @@ def test_what_is_remembered_on_disk_gives_the_same_answers(subject, monkeypatch,
     files = list((tmp_path / "recall").glob("*.pkl"))
     assert len(files) == 1 and calls["read_node"] == mapped
     assert same(new_process(), plain) and calls["read_node"] < mapped / 20, calls     # recalled from disk
+    for i in range(recall_disk.MAX_FILES + 4):       # the folder is bounded: the oldest files go
+        old = tmp_path / "recall" / f"old{i}.pkl"
+        old.write_bytes(b"")
+        os.utime(old, ns=(i, i))
+    contexts.release()
+    monkeypatch.setattr(recall, "_MEMORY", OrderedDict())
+    calls["read_node"] = 0
+    run_one = run(subject, 2, 1)                    # another graph kind: its trie grows, is written, the folder pruned
+    left = list((tmp_path / "recall").glob("*.pkl"))
+    assert len(left) == recall_disk.MAX_FILES and files[0] in left and run_one["first_divergence"] is None
     for junk in (b"not a pickle", pickle.dumps((1, 5, [(-1, None, None)], np.float32))):
         files[0].write_bytes(junk)
         assert same(new_process(), plain) and calls["read_node"] == mapped          # refused: node by node

@@ -7,8 +7,8 @@ sites), of the library file's size and mtime, and of the mapping code (nodes.py,
 how nodes are mapped is another file). What is written is what the trie holds, no address, buffer or value: each
 step's key and outcome, flattened in a list (a path is hundreds of steps deep), as plain Python data; it is read
 back with an unpickler that refuses every class, so a file that holds anything else is not loaded (and is
-deleted, as is one that does not read). Written whole, under another name, then moved in. MAMBA_DEBUG_LLAMA_KEEP=0
-(nothing kept between runs) reads and writes nothing.
+deleted, as is one that does not read). Written whole, under another name, then moved in; at most MAX_FILES
+kept. MAMBA_DEBUG_LLAMA_KEEP=0 (nothing kept between runs) reads and writes nothing.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 VERSION = 1
+MAX_FILES = 16              # tries kept in the folder (the least recently written go first): one per model and library
 FIELDS = ("name", "op", "layer", "site", "backend", "extra", "size", "emb", "view", "conv")
 _CODE: list = []
 
@@ -72,6 +73,9 @@ def save(key: tuple, memory) -> None:
         tmp = out.with_suffix(f".{os.getpid()}.part")
         tmp.write_bytes(pickle.dumps((VERSION, memory.steps, entries), protocol=4))
         os.replace(tmp, out)
+        old = sorted(out.parent.glob("*.pkl"), key=lambda f: f.stat().st_mtime_ns, reverse=True)[MAX_FILES:]
+        for f in old:               # bounded: tests and one-off GGUFs would grow the folder forever
+            f.unlink(missing_ok=True)
     except OSError:                 # a read-only or full cache: the next process maps its first graphs again
         return
 
