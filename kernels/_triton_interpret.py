@@ -48,11 +48,12 @@ def scan_one_token_layout(block_d: int, block_n: int, state, x, dt, A, B, C, y, 
 
 def conv_one_token_layout(block_s: int, block_d: int, state, x, new_state) -> dict:
     """The one-token conv's layout constexprs, from the host: EVEN (the blocks fit), ONE_SEQ (one sequence: no
-    sequence offsets, no sequence mask) and SAME_STATE (new_state strided as state: one offset tile for both)."""
+    sequence offsets, no sequence mask) and SAME_STATE (new_state's window-row and channel strides are state's:
+    one offset tile for both; each keeps its own sequence stride)."""
     S, _, D = x.shape
     one = S == 1
-    same = state.stride()[1:] == new_state.stride()[1:] and (one or state.stride(0) == new_state.stride(0))
-    return dict(EVEN=D == block_d and (one or S % block_s == 0), ONE_SEQ=one, SAME_STATE=same)
+    return dict(EVEN=D == block_d and (one or S % block_s == 0), ONE_SEQ=one,
+                SAME_STATE=state.stride()[1:] == new_state.stride()[1:])
 
 
 @_device_function

@@ -256,6 +256,20 @@ def test_one_token_kernels_match_reference_and_the_other_schedules(plugin, S, D,
             assert_same(a, b)
 
 
+def test_one_token_conv_reads_a_state_slot_of_a_bigger_cache(plugin):
+    """SAME_STATE with another sequence stride: the state rows of a cache with two more window rows per slot (the
+    state's row and channel strides are the new state's, its sequence stride is not)."""
+    S, D, K = 3, 32, 4
+    inp, _ = make_inputs(S, 1, D, 8, K, seed=5, contiguous=True)
+    cache = torch.randn(S, K + 1, D, device=TORCH_DEVICE)
+    cache[:, 1:K] = inp["conv_state"]
+    inp["conv_state"] = cache[:, 1:K]
+    got = plugin.module.ssm_conv(inp["conv_state"], inp["x"], inp["weight"],
+                                 config=dict(schedule="one_token", BLOCK_S=2, BLOCK_D=D, num_warps=1))
+    for g, r64 in zip(got, reference_conv(inp, torch.float64)):
+        assert nmse(g, r64) <= NMSE_VS_FP64
+
+
 def test_scan_without_states_out_gives_the_same_result(kern):
     inp, _ = make_inputs(3, 37, 40, 16, 4)
     y0, h0 = kern["ssm_scan"](*scan_args(inp))
