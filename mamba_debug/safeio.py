@@ -5,6 +5,9 @@ rename is atomic on the same file system); on success it is renamed over `path`,
 Ctrl-C, an exception) it is removed, so `path` keeps its old content or does not exist. `write_text`/`write_bytes`
 are the one-liners over it.
 
+`cache_dir(*parts)`: the cache folder ($MAMBA_DEBUG_CACHE or ~/.cache/mamba-debug), where exported GGUFs, the
+llama.cpp side's compiled callback and its remembered node maps go.
+
 `refuse_inputs(outputs, inputs)`: every output path of a run against every file the run reads (the model's
 files, the trace being shown, the plug-in file) and against each other: an output that is an input is refused
 (`MambaDebugError`, exit 2) before anything runs.
@@ -17,6 +20,10 @@ import tempfile
 from pathlib import Path
 
 from .errors import MambaDebugError
+
+
+def cache_dir(*parts: str) -> Path:
+    return Path(os.environ.get("MAMBA_DEBUG_CACHE") or Path.home() / ".cache" / "mamba-debug", *parts)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from typing import Optional
 from . import fastpath
 from .lib import EvalCallback
 from .observe import NAME_OFF, STRUCT, Tracer
+from .recall_disk import keeping
 
 _KEPT: dict = {}        # "model": (key, lib, lmodel), "context": (key, bundle)
 KEEP_ALIVE = []         # ctypes callbacks and fast-path states handed to a library live as long as the process
@@ -31,10 +32,6 @@ class Bundle:
 
     def __init__(self, ctx, mem, tracer: Tracer, callback_text: str):
         self.ctx, self.mem, self.tracer, self.callback_text = ctx, mem, tracer, callback_text
-
-
-def keeping() -> bool:
-    return os.environ.get("MAMBA_DEBUG_LLAMA_KEEP", "1") not in ("0", "")
 
 
 def callback(lib, tracer: Tracer, cp) -> str:

@@ -17,11 +17,11 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
+
+from ...safeio import atomic_path, cache_dir
 
 SOURCE = Path(__file__).with_name("fastpath.c")
 MAX_OBSERVED = 1 << 13          # observes on the fast path per decode (past it, Python takes them)
@@ -48,10 +48,6 @@ class State(ctypes.Structure):
                 ("fast_observes", ctypes.c_int64), ("py_calls", ctypes.c_int64)]
 
 
-def _cache() -> Path:
-    return Path(os.environ.get("MAMBA_DEBUG_CACHE") or Path.home() / ".cache" / "mamba-debug") / "fastpath"
-
-
 def load():
     """(the compiled library, None), or (None, why not): compiled at the first call of a process for this source."""
     if "lib" in _LOADED:
@@ -62,16 +58,13 @@ def load():
         if cc is None:
             raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
         key = hashlib.sha256(src + cc.encode()).hexdigest()[:16]
-        so = _cache() / f"fastpath-{key}.so"
+        so = cache_dir("fastpath", f"fastpath-{key}.so")
         if not so.is_file():
-            so.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=so.parent) as tmp:     # built aside, then moved in whole
-                part = Path(tmp) / so.name
+            with atomic_path(so) as part:           # built aside, then moved in whole
                 r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(part), str(SOURCE)],
                                    capture_output=True, text=True, timeout=120)
                 if r.returncode != 0:
                     raise RuntimeError(f"{cc} failed on {SOURCE}: {r.stderr.strip()[-400:]}")
-                os.replace(part, so)
         dll = ctypes.CDLL(str(so))
         dll.md_eval.restype = ctypes.c_bool
         got = (ctypes.c_size_t * 5)()

@@ -17,9 +17,10 @@ import io
 import os
 import pickle
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
+
+from ...safeio import cache_dir, write_bytes
 
 VERSION = 1
 MAX_FILES = 16              # tries kept in the folder (the least recently written go first): one per model and library
@@ -27,7 +28,8 @@ FIELDS = ("name", "op", "layer", "site", "backend", "extra", "size", "emb", "vie
 _CODE: list = []
 
 
-def enabled() -> bool:
+def keeping() -> bool:
+    """Whether anything is kept between runs: contexts (contexts.py) and tries on disk (MAMBA_DEBUG_LLAMA_KEEP)."""
     return os.environ.get("MAMBA_DEBUG_LLAMA_KEEP", "1") not in ("0", "")
 
 
@@ -44,8 +46,7 @@ def path(key: tuple) -> Path:
     lib = Path(key[0])
     st = lib.stat() if lib.is_file() else None
     h = hashlib.sha256(repr((VERSION, _canon(key), st and (st.st_size, st.st_mtime_ns), _code_hash())).encode())
-    base = Path(os.environ.get("MAMBA_DEBUG_CACHE") or Path.home() / ".cache" / "mamba-debug")
-    return base / "recall" / f"{h.hexdigest()[:24]}.pkl"
+    return cache_dir("recall", f"{h.hexdigest()[:24]}.pkl")
 
 
 def _canon(x):
@@ -59,7 +60,7 @@ def _canon(x):
 
 def save(key: tuple, memory) -> None:
     """Write the trie (memory.root, memory.steps) for `key`; nothing when disabled. A failed write leaves no file."""
-    if not enabled():
+    if not keeping():
         return
     entries, stack = [], [(-1, None, memory.root)]
     while stack:                    # depth first, iteratively: parents before their children
@@ -69,10 +70,7 @@ def save(key: tuple, memory) -> None:
         stack.extend((me, kk, kid) for kk, kid in kept.kids.items())
     out = path(key)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.part")
-        tmp.write_bytes(pickle.dumps((VERSION, memory.steps, entries), protocol=4))
-        os.replace(tmp, out)
+        write_bytes(out, pickle.dumps((VERSION, memory.steps, entries), protocol=4))
         old = sorted(out.parent.glob("*.pkl"), key=lambda f: f.stat().st_mtime_ns, reverse=True)[MAX_FILES:]
         for f in old:               # bounded: tests and one-off GGUFs would grow the folder forever
             f.unlink(missing_ok=True)
@@ -82,7 +80,7 @@ def save(key: tuple, memory) -> None:
 
 def load(key: tuple, memory_cls, kept_cls):
     """The trie written for `key`, as a new memory_cls, or None (none written, disabled, or unreadable)."""
-    if not enabled():
+    if not keeping():
         return None
     f = path(key)
     if not f.is_file():

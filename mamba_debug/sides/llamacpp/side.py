@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ...errors import MambaDebugError
+from ...safeio import cache_dir as default_cache_dir
 from ...settings import RunSettings
 from ...trace import SideInfo
 from ..base import StepOutput
@@ -44,7 +45,7 @@ def gguf_for(model, cache_dir: Optional[Path] = None) -> Path:
     if src and Path(src).is_file() and src.endswith(".gguf"):
         return Path(src)
     from ...io import export_gguf  # noqa: PLC0415
-    base = cache_dir or Path(os.environ.get("MAMBA_DEBUG_CACHE") or Path.home() / ".cache" / "mamba-debug")
+    base = cache_dir or default_cache_dir()
     h = hashlib.sha256()
     for k in sorted(model.params):
         h.update(k.encode())
