@@ -1,6 +1,7 @@
 """Shared test helpers: small random Mamba models built in memory or saved as HF folders."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -96,3 +97,14 @@ def read_node_calls(monkeypatch):
         return real(*a, **kw)
     monkeypatch.setattr(observe, "read_node", counted)
     return calls
+
+
+def llama_answers(j: dict) -> str:
+    """A llama.cpp run's JSON without what says how fast, or through which context and callback, it came: two runs
+    that gave the same answers give the same string."""
+    j = json.loads(json.dumps(j))
+    j.pop("timings", None)
+    lc = j["config"]["llama_cpp"]
+    lc["observer_effect"]["traced_s"] = lc["observer_effect"]["untraced_s"] = None
+    lc["context"] = lc["callback"] = None
+    return json.dumps(j, sort_keys=True)

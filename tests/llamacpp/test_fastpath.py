@@ -5,9 +5,8 @@ the Python callback runs and the JSON says why.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
+from conftest import llama_answers
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh")
 
@@ -42,14 +41,7 @@ def run(subject, ubatch: int, n_seqs: int) -> dict:
 
 def same(a: dict, b: dict) -> bool:
     """The same answer: all but the timings and the words on how it was reached."""
-    def strip(j):
-        j = json.loads(json.dumps(j))
-        j.pop("timings", None)
-        lc = j["config"]["llama_cpp"]
-        lc["observer_effect"]["traced_s"] = lc["observer_effect"]["untraced_s"] = None
-        lc["context"] = lc["callback"] = None
-        return json.dumps(j, sort_keys=True)
-    return strip(a) == strip(b)
+    return llama_answers(a) == llama_answers(b)
 
 
 def test_the_fast_path_and_a_kept_context_change_no_answer(subject, monkeypatch):

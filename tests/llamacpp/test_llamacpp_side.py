@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import llama_answers
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed; run tests/llamacpp/build.sh")
 
@@ -237,15 +238,6 @@ def test_a_smaller_last_group_runs_its_own_ubatches(subject):
     assert (fd["seq"], fd["token"], fd["layer"], fd["site"], fd["ubatch"]) == (3, 3, 2, "y_scan", 1), fd
 
 
-def _no_timings(j: dict) -> str:
-    """The JSON without what says how fast, or through which context and callback, the same numbers came."""
-    j = {k: v for k, v in j.items() if k != "timings"}
-    oe = j["config"]["llama_cpp"]["observer_effect"]
-    oe["traced_s"] = oe["untraced_s"] = None
-    j["config"]["llama_cpp"]["context"] = j["config"]["llama_cpp"]["callback"] = None
-    return json.dumps(j, sort_keys=True)
-
-
 def test_a_repeated_graph_takes_the_trie_with_the_same_answers(subject, monkeypatch):
     """observe.py: a graph of a kind already seen takes the trie's path (one struct comparison per node, a yes only
     where a site needs a copy); the result is the one of mapping every graph node by node with every node
@@ -276,7 +268,7 @@ def test_a_repeated_graph_takes_the_trie_with_the_same_answers(subject, monkeypa
         begin(self, *args, **kw)
         self.legacy = True
     monkeypatch.setattr(observe.Tracer, "begin", node_by_node)
-    assert _no_timings(to_json(compare(subject, 3, 2))) == _no_timings(to_json(fast))
+    assert llama_answers(to_json(compare(subject, 3, 2))) == llama_answers(to_json(fast))
 
 
 def test_a_finished_run_leaves_nothing_behind(subject, monkeypatch):
