@@ -24,6 +24,7 @@ from .arch import model_ops
 from .backends import cpu_backend, cpu_threads_for, device_backends, reference_backend
 from .budget import check_budget, check_gpu_memory, check_host_memory
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
+from .gc_scope import young_only
 from .model import Model, Runner, check_tokens
 from .settings import K_FLOOR, RunSettings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
@@ -64,13 +65,14 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     t0 = time.perf_counter()
     groups = s.seq_groups(tokens.shape[0])
     shared = lambda a, b: SharedReference(_cache_for(ref_cache, model, tokens[a:b], s))  # noqa: E731
-    sides = build_sides(model, s, placement, ref_device, shared(*groups[0]))
-    try:
-        res = _run_sides(model, s, sides, tokens, placement, groups, shared, progress)
-    finally:
-        close = getattr(sides["device"], "close", None)     # an engine's context and model (llama.cpp), even on error
-        if close is not None:
-            close()
+    with young_only():          # no full garbage collections over the old heap mid-run (~150 ms each)
+        sides = build_sides(model, s, placement, ref_device, shared(*groups[0]))
+        try:
+            res = _run_sides(model, s, sides, tokens, placement, groups, shared, progress)
+        finally:
+            close = getattr(sides["device"], "close", None)     # an engine's context and model (llama.cpp)
+            if close is not None:
+                close()
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
 

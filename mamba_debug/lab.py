@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .errors import MambaDebugError
+from .shipped import IN_CHECKOUT
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -45,7 +46,8 @@ def lab_command(notebook_dir: Path, port: int | None = None, no_browser: bool = 
 def lab_env(base: dict | None = None) -> dict:
     """Environment for the server and its kernels: the repository on PYTHONPATH."""
     env = dict(os.environ if base is None else base)
-    parts = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
+    mine = [str(REPO)] if IN_CHECKOUT else []        # an installed wheel is importable as it is
+    parts = mine + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     return env
 
@@ -57,7 +59,9 @@ def cmd_lab(args) -> int:
                               f"`pip install -r {REPO / 'requirements-lab.txt'}` (or `make lab`)")
     folder = Path(args.notebooks).resolve()
     if not folder.is_dir():
-        raise MambaDebugError(f"{folder}: no such folder of notebooks")
+        where = "" if IN_CHECKOUT else (" (this mamba_debug was installed from a wheel, which carries no notebooks: "
+                                        "open a source checkout's with `pip install -e CHECKOUT`, or pass --notebooks)")
+        raise MambaDebugError(f"{folder}: no such folder of notebooks{where}")
     first = args.open or ("01_quickstart.ipynb" if (folder / "01_quickstart.ipynb").is_file() else None)
     extra = list(args.jupyter_args or [])
     if first and not args.no_browser:

@@ -26,9 +26,10 @@ import torch
 from .errors import PluginError
 from .ops import OP_NAMES, output_contract
 from .isolation import changed_inputs, defer, snapshot_inputs
+from .shipped import shipped_dir
 from .triton_env import exec_file, set_mode
 
-KERNELS_DIR = Path(os.environ.get("MAMBA_DEBUG_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels"))
+KERNELS_DIR = Path(os.environ.get("MAMBA_DEBUG_KERNELS_DIR", shipped_dir("kernels")))
 
 
 @dataclass

@@ -9,11 +9,12 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..model import MambaModel
+from ..shipped import shipped_dir
 from .gguf_mamba2 import load_gguf
 from .hf import load_hf_folder, load_hf_mamba2_folder, read_config
 from .hf_mamba2 import model_type
 
-DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
+DATA_DIR = shipped_dir("data")
 DEFAULT_MODEL = DATA_DIR / "tiny-mamba"
 
 # model_type / architecture words that are recognisably not Mamba-1, with a readable name.

@@ -89,7 +89,7 @@ class HeatmapView(View):
     def draw(self, fig, res: CompareResult, v: ViewState) -> np.ndarray:
         """Layer x token heatmap; returns what it coloured: error / threshold for rel_l2 (the metric itself for
         the others): 0 exact zero, NaN not observed / not run, inf NaN/Inf on the device."""
-        ax = fresh_axes(fig, bottom=0.25, top=0.91, left=0.1, right=0.86)
+        ax = fresh_axes(fig, bottom=0.25, top=0.91, left=0.1, right=0.82)
         heatmap(res, ax, site=v.site, metric=v.metric, seq=v.seq)
         _img, err, ratio = error_image(res, v.site, v.metric, v.seq)
         if not ratio:

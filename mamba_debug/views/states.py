@@ -106,7 +106,7 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
     lim = max(float(np.abs(ref).max()), float(np.abs(dev).max()), 1e-30)
     for ax, arr, name in [(axes[0], ref, "reference"), (axes[1], dev, "device")]:
         im = ax.imshow(arr, aspect="auto", cmap="PuOr_r", vmin=-lim, vmax=lim, interpolation="nearest")
-        add_colorbar(ax, im).ax.tick_params(labelsize=7)
+        _bar_ticks(add_colorbar(ax, im))
         ax.set_title(f"{name}", fontsize=9, y=TITLE_Y)
     dmax = float(np.abs(diff).max())
     rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
@@ -119,16 +119,24 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
     else:
         im = ax.imshow(diff, aspect="auto", cmap="RdBu_r", vmin=-dmax, vmax=dmax, interpolation="nearest")
         # each tick its own number (no "1e-6" offset above the bar, where it runs into the title)
-        add_colorbar(ax, im, format="%.1g" if dmax >= 1e-3 else "%.0e").ax.tick_params(labelsize=7)
+        _bar_ticks(add_colorbar(ax, im, format="%.1g" if dmax >= 1e-3 else "%.0e"))
         ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
                      color="tab:red" if rel > 1e-4 else "black", y=TITLE_Y)
-    for a in axes:
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+    for i, a in enumerate(axes):
         a.set_xlabel(_AXES.get(which, "state"), fontsize=8)
-        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
-        a.tick_params(labelsize=7)
+        # the three panels share one channel axis: its numbers once, on the left (tick labels are most of a draw)
+        a.tick_params(labelsize=7, labelleft=i == 0)
     axes[0].set_ylabel(_ylabel(which, shown, how), fontsize=8)
     return diff
+
+
+def _bar_ticks(bar):
+    """A colour bar's ticks: at most 4 numbers, small."""
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+    bar.locator = MaxNLocator(4)         # the property: the bar re-applies its own locator on every update
+    bar.ax.tick_params(labelsize=7)
 
 
 def _ylabel(which: str, shown: int, how: str) -> str:

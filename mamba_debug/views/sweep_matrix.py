@@ -89,6 +89,7 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
         cb = add_colorbar(ax, im)
         cb.set_label("mean KLD of a diverged cell (log)", fontsize=8)
         cb.ax.tick_params(labelsize=7)
+        cb.minorticks_off()     # a number at every decade is enough; 72 minor ticks were half of a redraw
     if not legend:
         return ax
     ax.legend(handles=[Patch(facecolor=EXACT_ZERO, label="clean: no divergence"),
