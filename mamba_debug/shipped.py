@@ -22,5 +22,5 @@ def shipped_dir(name: str) -> Path:
         return ROOT / name
     spec = importlib.util.find_spec(f"mamba_debug_{name}")
     if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
+        return Path(next(iter(spec.submodule_search_locations)))
     return ROOT / name
