@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 from .errors import MambaDebugError
-from .shipped import IN_CHECKOUT
+from .shipped import IN_CHECKOUT, ROOT as REPO
 
-REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 LAB_PACKAGES = ("jupyterlab", "ipywidgets", "ipykernel")
 STOP_TIMEOUT_S = 20     # JupyterLab's own shutdown (kernels included) before it is killed
