@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: setup setup-test demo test lab bench-cpu compiled-faults
+.PHONY: setup setup-test demo test test-gpu lab bench-cpu compiled-faults
 
 # torch: a CPU machine takes the CPU build on disk (torch==2.13.0); a machine that already has a torch keeps it.
 setup:
@@ -29,6 +29,14 @@ demo: setup
 
 test: setup-test
 	$(PYTHON) -m pytest -q
+
+# On a machine with an NVIDIA GPU and its own torch and triton (no setup: nothing is installed): the kernel tests
+# again, compiled for that GPU. CI has no GPU and runs them under Triton's interpreter, and a kernel edit that
+# compiles for sm_90 on a CPU can still fail at launch under another Triton version: run this after editing kernels.
+GPU_TESTS = tests/test_triton_kernels.py tests/test_triton_mamba2.py tests/test_site_metrics.py tests/test_gallery.py \
+	tests/test_token_local.py tests/test_precision_verdict.py
+test-gpu:
+	MAMBA_DEBUG_TEST_DEVICE=cuda TRITON_INTERPRET=0 $(PYTHON) -m pytest -q $(GPU_TESTS)
 
 lab: setup
 	$(PIP) install -q -r requirements-lab.txt

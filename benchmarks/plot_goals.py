@@ -46,8 +46,12 @@ def goals() -> list:
                 out.append(("3 CPU full sweep", r["seconds"], 60, "s", eng["date"]))
     dash = _load("dashboard_cpu.json")
     if dash:
-        worst = max(v["total"] for k, v in dash["first_result_ms"].items() if "start" not in k)
-        out.append(("3 dashboard control, new setting (worst)", worst / 1e3, 1, "s", dash.get("date")))
+        moved = [v for k, v in dash["first_result_ms"].items() if "start" not in k]
+        worst = max(v["total"] for v in moved)
+        out.append(("3 dashboard control, new setting, all views (worst)", worst / 1e3, 1, "s", dash.get("date")))
+        if all("first_view" in v for v in moved):      # each view reaches the page when drawn: the first one
+            worst = max(v["first_view"] for v in moved)
+            out.append(("3 dashboard control, new setting, its first view (worst)", worst / 1e3, 1, "s", dash.get("date")))
     h = _load("h200.json")
     if h:
         def row(op, mode, b):

@@ -46,3 +46,25 @@ def test_offload_n_layer_and_n_layer_plus_one_share_a_run(kernels, monkeypatch):
 
     dash.set(offload=L - 1)                                   # other blocks on the device: a run
     assert len(calls) == 1 and dash.timings["source"] == "run"
+
+
+def test_a_new_run_reaches_the_page_status_first_then_the_views_in_screen_order(monkeypatch):
+    """Each view reaches the page when it is drawn, so a new run shows its status line and text views before any
+    figure, then the figures top to bottom; `first_view_ms` is when the first of them was on the page."""
+    pytest.importorskip("ipywidgets", reason="the dashboard needs ipywidgets (requirements-lab.txt)")
+    from mamba_debug.dashboard import Dashboard
+    from mamba_debug.views import registry
+
+    model = random_model()
+    dash = Dashboard(model, IDS, kernels="bug_strided_gate", device="interpret", n_gen=2, offload=1, ubatch=4)
+    shown = []
+    real_png, real_status = dash.controls.show_png, dash._status_html
+    monkeypatch.setattr(dash.controls, "show_png", lambda name, png: shown.append(name) or real_png(name, png))
+    monkeypatch.setattr(dash, "_status_html", lambda: shown.append("status") or real_status())
+    dash.set(offload=3)
+    assert dash.errors == [] and dash.timings["source"] == "run"
+    figures = [v.name for v in registry.VIEWS if v.kind == "figure"]
+    assert shown[0] == "status" and [s for s in shown if s in figures] == figures, shown
+    t = dash.timings
+    assert t["run_ms"] < t["first_view_ms"] < t["update_ms"]
+    assert "first view at" in dash.w_timing.value

@@ -9,6 +9,7 @@ row.
 from __future__ import annotations
 
 import html
+from typing import Optional
 
 from ..arch import all_sites
 from ..metrics import METRICS
@@ -109,11 +110,13 @@ def llama_cpp_unavailable_html(problem: str) -> str:
             f"{html.escape(problem)}</span></div>")
 
 
-def timing_html(source: str, run_ms: float, total_ms: float, views: str, n_cached: int) -> str:
+def timing_html(source: str, run_ms: float, total_ms: float, views: str, n_cached: int,
+                first_ms: Optional[float] = None) -> str:
     what = {"run": f"new run {run_ms:.0f} ms + redraw", "cache": "cached run, redraw",
             "same": "the same bits as a cached run (only the head moved), redraw",
             "view": f"redraw ({views})"}[source]
-    return (f"<span style='font-size:11px;color:#666'>{what} {total_ms - run_ms:.0f} ms "
+    first = f" (first view at {first_ms:.0f} ms)" if first_ms is not None and first_ms < total_ms - 1 else ""
+    return (f"<span style='font-size:11px;color:#666'>{what} {total_ms - run_ms:.0f} ms{first} "
             f"&middot; {n_cached} run(s) cached</span>")
 
 
