@@ -36,7 +36,8 @@ from typing import Optional, Sequence, Union
 from ..settings import RunSettings
 from ..trace import CompareResult
 from ..views import registry
-from ..views.base import DPI, FIELDS, ViewState, fig_png, live_figure
+from ..views.base import DPI, FIELDS, ViewState, live_figure
+from ..views.blit import StaticLayer
 from ..views.summary import verdict
 from .controls import (Controls, error_html, in_kernel, llama_cpp_unavailable_html, snapshot_html, status_html,
                        timing_html)
@@ -98,7 +99,11 @@ class Dashboard(SweepPanel):
         self._sweep_cells: dict[tuple, dict] = {}     # (kernels or llama.cpp, prompt, offload, ubatch) -> cell
         self.views = {v.name: v for v in registry.VIEWS}
         # no pyplot: figures never leak into cell output; each keeps its Agg canvas (one renderer across redraws)
-        self._figs = {v.name: live_figure(v.figsize) for v in registry.VIEWS if v.kind in ("figure", "sweep")}
+        self._figs = {v.name: live_figure(v.figsize, dpi if v.kind == "figure" else None)
+                      for v in registry.VIEWS if v.kind in ("figure", "sweep")}
+        # each figure view's axes numbers, drawn once and reused while they stay the same (views.blit)
+        self._layers = {v.name: StaticLayer() for v in registry.VIEWS if v.kind == "figure"}
+        self._sweep_layer = StaticLayer()         # the sweep matrix as a PNG (without ipympl)
         self.controls = Controls(model.config, self.prompts, P, kernels=kernels, offload=offload, ubatch=ubatch or P,
                                  n_seqs=n_seqs, n_gen=n_gen, figures=self._figs, engine=engine)
         for name, w in vars(self.controls).items():     # the widgets are the dashboard's: dash.w_offload, ...
@@ -367,7 +372,7 @@ class Dashboard(SweepPanel):
                 if hit is None:
                     fig = self._figs[view.name]
                     data = self.views[view.name].draw(fig, res, v)
-                    hit = (fig_png(fig, self.dpi, compress_level=PNG_COMPRESS), data)
+                    hit = (self._layers[view.name].png(fig, compress_level=PNG_COMPRESS), data)
                     self._remember(key, hit)
                 png, self.view_data[view.name] = hit
                 self._show(view.name, png)

@@ -13,7 +13,6 @@ from ..gc_scope import young_only
 from ..settings import RunSettings
 from ..sweep import run_sweep, sweep_cell
 from ..trace import CompareResult
-from ..views.base import fig_png
 
 
 def cell_key(run: RunSettings) -> str:
@@ -134,7 +133,9 @@ class SweepPanel:
         key = (view.name, self.sweep.get("kernels"), cells, current)
         hit = self._pngs.get(key)
         if hit is None:
+            if fig.dpi != self.dpi:           # a PNG (no interactive canvas): drawn at its own dpi (views.blit)
+                fig.set_dpi(self.dpi)
             self.views[view.name].draw(fig, self.sweep, None, current)
-            hit = (fig_png(fig, self.dpi, compress_level=1), None)
+            hit = (self._sweep_layer.png(fig, compress_level=1), None)
             self._remember(key, hit)
         self._show(view.name, hit[0])

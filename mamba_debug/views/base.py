@@ -189,11 +189,14 @@ def new_figure(figsize):
     return Figure(figsize=figsize)
 
 
-def live_figure(figsize):
+def live_figure(figsize, dpi: Optional[int] = None):
     """A figure redrawn again and again (the dashboard's): its own Agg canvas, so that every PNG of it renders with
-    one renderer and matplotlib's text-size cache (per renderer) holds across redraws."""
+    one renderer and matplotlib's text-size cache (per renderer) holds across redraws. dpi: the figure's own (its
+    PNG drawn straight from the canvas by `views.blit`), else matplotlib's default."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     fig = new_figure(figsize)
+    if dpi is not None:
+        fig.set_dpi(dpi)
     FigureCanvasAgg(fig)
     return fig
 
@@ -215,6 +218,7 @@ def add_colorbar(ax, im, **kw):
     if old is not None:
         old.remove()
     ax._mamba_debug_colorbar = ax.figure.colorbar(im, ax=ax, fraction=0.04, **kw)
+    ax._mamba_debug_colorbar.ax._mamba_debug_is_colorbar = True     # views.blit draws it whole each time
     return ax._mamba_debug_colorbar
 
 

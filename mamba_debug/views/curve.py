@@ -9,6 +9,7 @@ import numpy as np
 
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
+from .blit import mark_dynamic
 from .base import (BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState, clear_axes,
                    fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message, not_observed_patch,
                    observed_rows, site_errors, thresholds)
@@ -33,6 +34,7 @@ def _plot_series(ax, x, y, thr, label):
     from matplotlib.lines import Line2D  # noqa: PLC0415
     shown = np.where(np.isfinite(y) & (y > 0), y, np.nan)
     handles = ax.semilogy(x, shown, "o-", color="tab:blue", ms=4, lw=1.4, label=label, zorder=3)
+    mark_dynamic(ax.yaxis)          # its decades follow the data (views.blit)
     if thr is not None:
         above = np.isfinite(shown) & (shown > thr)
         if above.any():

@@ -7,6 +7,7 @@ import numpy as np
 
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
+from .blit import mark_dynamic
 from .base import (BOUNDARY, FIRST_DIV, SPECIAL_LOOKS, TITLE_Y, View, ViewState, add_colorbar, clear_axes,
                    fresh_axes, mark_device_boundaries, mark_ubatches, observed_rows, ratio_colorbar, ratio_norm,
                    site_errors, special_handles, special_overlay, thresholds)
@@ -70,6 +71,7 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
             ratio_colorbar(ax, im)
         else:
             cb = add_colorbar(ax, im)
+            mark_dynamic(cb.ax.yaxis)       # the metric's own range: its numbers follow the data (views.blit)
             cb.set_label(f"log10 {'1 - cosine' if metric == 'cosine' else metric}", fontsize=8)
     if legend:
         from matplotlib.lines import Line2D  # noqa: PLC0415

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..trace import CompareResult
+from .blit import mark_dynamic
 from .base import (EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState, clear_axes, fresh_axes,
                    mark_ubatches)
 
@@ -18,6 +19,7 @@ def logits_curve(res: CompareResult, ax, seq=0):
     floor = float(kld[pos].min()) / 10 if pos.any() else 1e-12
     top = float(kld[pos].max()) * 10 if pos.any() else 1.0
     handles = ax.semilogy(x, np.where(pos, kld, np.nan), ".-", color="tab:blue", label="KL(ref || device)")
+    mark_dynamic(ax.yaxis)          # its decades follow the data (views.blit)
     flips = np.nonzero(res.logits["top1"][seq].numpy() < 1)[0]
     if len(flips):
         handles += ax.plot(flips, np.where(pos[flips], kld[flips], floor), "x", color="tab:red", ms=7, mew=2,

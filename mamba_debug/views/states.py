@@ -16,6 +16,7 @@ import numpy as np
 
 from ..arch import LAYER_TYPES
 from ..trace import CompareResult
+from .blit import mark_dynamic
 from .base import (EXACT_ZERO, NOT_OBSERVED, TITLE_Y, View, ViewState, add_colorbar, clear_axes, fresh_axes,
                    message)
 
@@ -137,6 +138,7 @@ def _bar_ticks(bar):
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
     bar.locator = MaxNLocator(4)         # the property: the bar re-applies its own locator on every update
     bar.ax.tick_params(labelsize=7)
+    mark_dynamic(bar.ax.yaxis if bar.orientation == "vertical" else bar.ax.xaxis)   # its numbers follow the data
 
 
 def _ylabel(which: str, shown: int, how: str) -> str:
