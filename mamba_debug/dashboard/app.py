@@ -12,8 +12,8 @@ Three layers stay apart:
   the views that depend on what changed. Every callback is guarded: an exception goes to the error area at the top
   of the dashboard (and `Dashboard.errors`), never into the void of a widget callback.
 
-Figures are rendered to PNG and shown in `ipywidgets.Output` areas (clear_output + display), which works with the
-plain inline backend and in any frontend. ipympl is not required; when it is installed the sweep matrix is also
+Figures are rendered to PNG and shown in image widgets, which works with the plain inline backend and in any
+frontend. Each figure is redrawn over a kept layer of its axes' numbers (`views.blit`: the pixels of a full draw). ipympl is not required; when it is installed the sweep matrix is also
 clickable (a click jumps to that configuration); the "jump to" dropdown does the same everywhere.
 
     import mamba_debug as md
