@@ -1,18 +1,20 @@
-"""Redraw a live figure without drawing its axes' numbers again: the same pixels as a full draw, in about half the time.
+"""Redraw a live figure without drawing its axes' numbers again: the pixels of a full draw, in less time.
 
 Most of a dashboard redraw is text (FreeType lays out and renders every tick number on every draw), and most of that
 text - the channel, state, layer and token numbers along the axes - is the same from one run, token or setting to
 the next. `StaticLayer.png` draws a figure in two layers:
 
 * static: the figure's and each Axes' background and x and y axis (ticks and their numbers, offset text; not the
-  axis labels), kept as pixels while its key is unchanged: the figure's size, dpi and background, and per Axes its
-  position, limits, scales, tick positions and numbers and tick settings, and matplotlib's rcParams;
+  axis labels), kept as pixels while its key is unchanged: the figure's size, dpi and background, per Axes its
+  position, limits, scales, tick positions, numbers and settings, and the rcParams that reach them;
 * dynamic, drawn over it each time in `Axes.draw`'s order: each Axes' images, lines, patches, texts, title, legend
   and spines by zorder, its axis labels, and an axis marked dynamic (`mark_dynamic`: a log axis or a colour bar
   whose numbers follow the data) in its place; figure-level artists (a suptitle) whole.
 
-A figure that cannot be split so (grid lines or ticks inside an Axes, a see-through Axes background, subfigures)
-is drawn in full. tests/test_views_blit.py checks the pixels against a full draw.
+A figure that cannot be split so (grid lines or ticks inside an Axes, a see-through Axes background, subfigures,
+matplotlib before 3.7) is drawn in full. tests/test_views_blit.py checks the pixels against a full draw. With the
+numbers kept, the state inspector draws in 63 ms instead of 144 and the heatmap in 49 instead of 79 (dpi 160); a
+run's five views in 0.40-0.47 s instead of 0.48-0.66 (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ def _axis_key(axis) -> tuple:
 def _key(fig, order) -> tuple:
     import matplotlib as mpl  # noqa: PLC0415
     parts = [tuple(fig.get_size_inches()), fig.dpi, tuple(fig.patch.get_facecolor()),
-             tuple(repr(mpl.rcParams[k]) for k in _RC_KEYS)]
+             tuple(repr(mpl.rcParams.get(k)) for k in _RC_KEYS)]
     for ax, whole in order:
         if whole:                # not in the static layer: only what comes where
             parts.append(type(ax).__name__)
