@@ -14,7 +14,7 @@ the next. `StaticLayer.png` draws a figure in two layers:
 A figure that cannot be split so (grid lines or ticks inside an Axes, a see-through Axes background, subfigures,
 matplotlib before 3.7) is drawn in full. tests/test_views_blit.py checks the pixels against a full draw. With the
 numbers kept, the state inspector draws in 63 ms instead of 144 and the heatmap in 49 instead of 79 (dpi 160); a
-run's five views in 0.40-0.47 s instead of 0.48-0.66 (benchmarks/README.md).
+run's five views in 0.40-0.47 s instead of 0.57-0.68 (medians, benchmarks/README.md).
 """
 from __future__ import annotations
 
