@@ -362,9 +362,12 @@ def test_sigterm_stops_a_parallel_sweep_within_seconds(tmp_path, folder):
     import time
     out = tmp_path / "sw.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # long enough to outlast the wait below on a fast machine (a 5-token prompt's 72 cells once took 2 s, and the
+    # signal then met a sweep already closing)
+    prompt = " ".join(str(i % 50 + 1) for i in range(40))
     p = subprocess.Popen([sys.executable, "-m", "mamba_debug", "sweep", "--model", str(folder), "--workers", "2",
-                          "--ubatches", "1..24", "--json", str(out), *FAST], env=env,
-                         stderr=subprocess.PIPE, text=True)
+                          "--ubatches", "1..40", "--json", str(out), "--prompt", prompt, "--n-gen", "1",
+                          "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60            # wait for the workers (two spawned children), then let them run
     while time.time() < deadline and p.poll() is None and len(
             subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()) < 2:
