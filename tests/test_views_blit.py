@@ -91,3 +91,15 @@ def test_a_dynamic_axis_follows_its_data_over_a_kept_layer():
     ax.relim()
     ax.autoscale_view()
     assert _same(layer.png(fig), fig) and (layer.hits, layer.misses) == (1, 1)
+
+
+def test_a_style_change_makes_a_new_static_layer():
+    import matplotlib as mpl
+    fig, ax = _figure()
+    layer = StaticLayer()
+    layer.png(fig)
+    with mpl.rc_context({"xtick.labelcolor": "red", "ytick.labelcolor": "red"}):
+        ax.clear()                                                 # new ticks take the style
+        ax.plot([0, 1, 2], [1, 3, 2])
+        ax.set_xlabel("x label")
+        assert _same(layer.png(fig), fig) and (layer.hits, layer.misses) == (0, 2)
