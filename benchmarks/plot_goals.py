@@ -51,7 +51,8 @@ def goals() -> list:
         out.append(("3 dashboard control, new setting, all views (worst)", worst / 1e3, 1, "s", dash.get("date")))
         if all("first_view" in v for v in moved):      # each view reaches the page when drawn: the first one
             worst = max(v["first_view"] for v in moved)
-            out.append(("3 dashboard control, new setting, its first view (worst)", worst / 1e3, 1, "s", dash.get("date")))
+            out.append(("3 dashboard control, new setting, its first view (worst)", worst / 1e3, 1, "s",
+                        dash.get("date")))
     h = _load("h200.json")
     if h:
         def row(op, mode, b):

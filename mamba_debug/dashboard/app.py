@@ -13,8 +13,9 @@ Three layers stay apart:
   of the dashboard (and `Dashboard.errors`), never into the void of a widget callback.
 
 Figures are rendered to PNG and shown in image widgets, which works with the plain inline backend and in any
-frontend. Each figure is redrawn over a kept layer of its axes' numbers (`views.blit`: the pixels of a full draw). ipympl is not required; when it is installed the sweep matrix is also
-clickable (a click jumps to that configuration); the "jump to" dropdown does the same everywhere.
+frontend; each is redrawn over a kept layer of its axes' numbers (`views.blit`: the pixels of a full draw). ipympl is
+not required; when it is installed the sweep matrix is also clickable (a click jumps to that configuration); the
+"jump to" dropdown does the same everywhere.
 
     import mamba_debug as md
     dash = md.Dashboard(model, "It is a truth universally acknowledged", kernels="bug_strided_gate")
@@ -277,14 +278,12 @@ class Dashboard(SweepPanel):
             new = self._fit_view(res)
             self.state = new
             self._add_cell(new.prompt, new.run, res)
-            self.timings.pop("first_view_ms", None)
             self._redraw(set(self.views), new, t0)
             self._set_timings(t0, source, run_ms, "all")
         elif new.view != old.view:
             changed = {f for f in FIELDS if getattr(new.view, f) != getattr(old.view, f)}
             views = {v.name for v in registry.depending_on(changed)}
             self.state = new
-            self.timings.pop("first_view_ms", None)
             self._redraw(views, new, t0)
             self._set_timings(t0, "view", 0.0, ",".join(sorted(views)))
         self.clear_errors()       # this action succeeded: the area shows errors of the latest action only
@@ -362,6 +361,8 @@ class Dashboard(SweepPanel):
         for: the status line and the text views first (a few ms), then the figures in screen order. t0: when the
         action began; `first_view_ms` is when its first picture was on the page."""
         res, v = self.result, st.view
+        if t0 is not None:
+            self.timings.pop("first_view_ms", None)
         self.w_status.value = self._status_html()
         for view in sorted(registry.VIEWS, key=lambda view: view.kind != "html"):
             if view.name not in names:

@@ -218,7 +218,7 @@ def add_colorbar(ax, im, **kw):
     if old is not None:
         old.remove()
     ax._mamba_debug_colorbar = ax.figure.colorbar(im, ax=ax, fraction=0.04, **kw)
-    ax._mamba_debug_colorbar.ax._mamba_debug_is_colorbar = True     # views.blit draws it whole each time
+    ax._mamba_debug_colorbar.ax._mamba_debug_is_colorbar = True     # views.blit: placed by its locator
     return ax._mamba_debug_colorbar
 
 

@@ -22,6 +22,7 @@ import io
 from operator import attrgetter
 from typing import Optional
 
+
 class StaticLayer:
     """One live figure's static layer (see the module docstring); `png` draws the figure and encodes it."""
 
@@ -146,8 +147,8 @@ def _axis_key(axis) -> tuple:
     minor_labels = tuple(axis.get_minor_formatter().format_ticks(minor))
     params = tuple(sorted((k, repr(v)) for k, v in axis.get_tick_params("major").items()))
     mparams = tuple(sorted((k, repr(v)) for k, v in axis.get_tick_params("minor").items()))
-    return (True, tuple(lim), axis.get_scale(), tuple(major), labels, fmt.get_offset(), tuple(minor), minor_labels, params, mparams,
-            axis.get_label_position(), axis.get_ticks_position(), axis.label.get_visible())
+    return (True, tuple(lim), axis.get_scale(), tuple(major), labels, fmt.get_offset(), tuple(minor), minor_labels,
+            params, mparams, axis.get_label_position(), axis.get_ticks_position(), axis.label.get_visible())
 
 
 def _key(fig, order) -> tuple:
