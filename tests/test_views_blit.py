@@ -18,8 +18,19 @@ def _pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGBA"))
 
 
+def _stock_png(fig) -> bytes:
+    """A full draw by a fresh canvas: matplotlib's own renderer and text (no views.textcache on it)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    live = fig.canvas
+    FigureCanvasAgg(fig)
+    try:
+        return fig_png(fig, fig.dpi)
+    finally:
+        fig.set_canvas(live)
+
+
 def _same(shown: bytes, fig) -> bool:
-    a, b = _pixels(shown), _pixels(fig_png(fig, fig.dpi))
+    a, b = _pixels(shown), _pixels(_stock_png(fig))
     return a.shape == b.shape and np.array_equal(a, b)
 
 
@@ -103,3 +114,48 @@ def test_a_style_change_makes_a_new_static_layer():
         ax.plot([0, 1, 2], [1, 3, 2])
         ax.set_xlabel("x label")
         assert _same(layer.png(fig), fig) and (layer.hits, layer.misses) == (0, 2)
+
+
+def test_text_drawn_from_the_glyph_cache_has_matplotlibs_pixels():
+    """Strings at many fractional positions, rotations, sizes, weights, colours, antialiased or not, mathtext
+    (its rules too), drawn three times through views.textcache (the second and third from its caches), equal a
+    fresh canvas' draw; on the matplotlib it was written for (3.11) the cache is in use, not silently off."""
+    import matplotlib
+
+    from mamba_debug.views import textcache
+    if matplotlib.__version__.startswith("3.11."):
+        assert textcache.status() == "glyph cache", textcache.status()
+    rng = np.random.default_rng(5)
+    fig = live_figure((3.1, 2.3), dpi=111)
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1])
+    for i in range(40):
+        fig.text(rng.uniform(0, 0.9), rng.uniform(0, 0.9), ["−0.25", "state n", "layer 11 on", r"$\frac{a}{b}$",
+                                                            "Ag ij", "1e-07"][i % 6],
+                 rotation=[0, 90, 33.3, -12][i % 4], fontsize=rng.uniform(5, 13), antialiased=i % 5 != 0,
+                 weight=["normal", "bold"][i % 2], color=["k", "#c60", "0.4"][i % 3])
+    layer = StaticLayer()
+    for _ in range(3):
+        shown = layer.png(fig)
+        assert _same(shown, fig)
+    assert getattr(fig.canvas.get_renderer(), "_mamba_debug_text_cache", False) == (
+        textcache.status() == "glyph cache")
+
+
+def test_encode_png_decodes_to_the_canvas_pixels():
+    """Random bytes (every wrap of the 'up' filter's mod-256 difference, any alpha), odd sizes, one row, each zlib
+    level: Pillow reads back exactly the canvas' RGBA."""
+    from mamba_debug.views.blit import encode_png
+
+    class Canvas:
+        def __init__(self, a):
+            self.a = a
+
+        def buffer_rgba(self):
+            return memoryview(self.a)
+
+    rng = np.random.default_rng(3)
+    for (h, w), level in (((7, 13), None), ((1, 5), 0), ((64, 33), 1), ((3, 1), 9)):
+        a = rng.integers(0, 256, (h, w, 4), dtype=np.uint8)
+        a[h // 2:] = a[h // 2, 0]                 # a flat part too
+        assert np.array_equal(_pixels(encode_png(Canvas(a), level)), a)
