@@ -127,3 +127,82 @@ def test_host_arithmetic_matches_tritons():
         assert next_pow2(n) == triton.next_power_of_2(n)
         for d in (1, 3, 16, 64):
             assert cdiv(n, d) == triton.cdiv(n, d)
+
+
+def _interpreted_kernel():
+    """A small kernel under the interpreter (TRITON_INTERPRET=1, conftest): two programs, a runtime scalar, a
+    constexpr with a default, a loop and a mask."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scaled_cumsum(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, REPEAT: tl.constexpr = 2):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        for _ in tl.static_range(REPEAT):
+            v = tl.cumsum(v, 0) * scale
+        tl.store(y_ptr + offs, v, mask=mask)
+    return scaled_cumsum
+
+
+def test_the_interpreter_launch_runs_the_grid_as_triton_does():
+    """Launch under the interpreter skips Triton's per-call host copies and signature reads, not the kernel: the
+    same outputs as `kernel[grid]` (defaults, num_warps dropped, a Parameter as a tensor), the lean path really
+    taken, and an error inside the kernel raised as Triton's InterpreterError."""
+    from triton.runtime.errors import InterpreterError
+
+    from mamba_debug.triton_launch import Interpreted
+    kernel = _interpreted_kernel()
+    launch = Launch(kernel, interpret=True)
+    assert isinstance(launch.interpreted, Interpreted)
+    x = torch.nn.Parameter(torch.randn(13), requires_grad=False)
+    for meta in ({"BLOCK": 8}, {"BLOCK": 8, "REPEAT": 3, "num_warps": 4}):
+        want, got = torch.full((13,), float("nan")), torch.full((13,), float("nan"))
+        kernel[(2,)](x, want, 13, 0.5, **meta)
+        assert launch.interpreted((2,), (x, got), (13, 0.5), meta) is True
+        assert torch.equal(got, want), meta
+        got.fill_(float("nan"))
+        launch((2,), (x, got), (13, 0.5), meta)
+        assert torch.equal(got, want), meta
+    with pytest.raises(InterpreterError):
+        launch((2,), (x, torch.zeros(13)), (13, 0.5), {"BLOCK": 6})     # arange needs a power of two
+
+
+def test_the_interpreter_launch_puts_triton_language_back():
+    """The lean launch sets the interpreter's patches of triton.language for the launch only: after a launch, and
+    after one that raised, every attribute of tl, tl.core, tl.math and tl.tensor is what it was."""
+    import triton.language as tl
+    from triton.runtime.errors import InterpreterError
+
+    def attrs():
+        return {(mod.__name__, name): getattr(mod, name) for mod in (tl, tl.core, tl.math, tl.tensor)
+                for name in dir(mod)}
+
+    import triton
+
+    @triton.jit
+    def scale(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr):
+        # no jit helper inside (tl.sum, tl.cumsum): Triton's interpreter patches the language again at each such
+        # call and never restores it, with or without this launch
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n, other=0.0) * a, mask=offs < n)
+
+    launch = Launch(scale, interpret=True)
+    assert launch.interpreted is not None
+    before = attrs()
+    launch((1,), (torch.ones(4), torch.zeros(4)), (4, 1.0), {"BLOCK": 4})
+    assert attrs() == before
+    with pytest.raises(InterpreterError):
+        launch((1,), (torch.ones(4), torch.zeros(4)), (4, 1.0), {"BLOCK": 3})
+    assert attrs() == before
+
+
+def test_the_interpreter_launch_leaves_what_it_does_not_know_to_triton():
+    """A kernel that is not an interpreted function (the fake here) has no lean path; a tensor that is not on the
+    CPU is not run by it (Triton's path copies such a tensor to the host and back)."""
+    from mamba_debug.triton_launch import Interpreted
+    assert Launch(FakeKernel(), interpret=True).interpreted is None
+    lean = Interpreted.make(_interpreted_kernel())
+    meta_tensor = torch.empty(13, device="meta")
+    assert lean((1,), (meta_tensor, meta_tensor), (13, 1.0), {"BLOCK": 16}) is False
