@@ -99,8 +99,10 @@ class Interpreted:
         params = inspect.signature(kernel.fn).parameters.values()
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.I = interpreter
-        for name in ("_implicit_cvt", "interpreter_builder", "InterpreterError"):
-            getattr(interpreter, name)          # AttributeError (make: None) on an interpreter without them
+        # AttributeError (make: None) on an interpreter without them. Triton 3.2's _patch_lang patched for good (no
+        # scope to restore): it is not called at all there
+        for name in ("_implicit_cvt", "interpreter_builder", "InterpreterError", "_LangPatchScope"):
+            getattr(interpreter, name)
         # What Triton's _patch_lang(fn) sets, kept: it scans triton.language's modules for builtins and wraps each in
         # a new lambda on every launch (~0.3 ms); the wrappers hold no state of their own launch.
         scope = interpreter._patch_lang(self.fn)
