@@ -231,14 +231,16 @@ def _ssm_scan_tiled_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILE_T: tl.constexpr,           # tokens whose inputs are loaded and prepared together
+    STEPS: tl.constexpr,            # steps walked per tile: T when one tile holds the prompt, else TILE_T
 ):
     # A prompt: the recurrence of _ssm_scan_kernel, with the work that does not depend on h (loads, softplus, the
     # decays exp(delta*A), the inputs delta*B*x, y = h.C, the stores) done for TILE_T tokens at once, as
     # [TILE_T, BLOCK_D, BLOCK_N] tiles. The step over the tile's tokens keeps only h = decay_t * h + input_t: row t
     # of the tiles comes out by a gather, and h_t goes to the program's scratch, read back as one tile for y and
     # states_out. Rows past T are the identity step (decay 1, input -0.0: h unchanged, bit for bit), so the step
-    # loop has a constant length. No GPU plan uses this schedule (the scratch round trip and TILE_T x the work per
-    # token); the tests also run it compiled, hence the barriers around the scratch.
+    # loop has a constant length, STEPS: a prompt within one tile walks its T rows only (the scratch rows past them
+    # are zeros from the host, read and masked off). No GPU plan uses this schedule (the scratch round trip and
+    # TILE_T x the work per token); the tests also run it compiled, hence the barriers around the scratch.
     pid_s = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     dl = tl.arange(0, BLOCK_D).to(tl.int64)[None, :, None]                  # channel in the block
@@ -252,6 +254,9 @@ def _ssm_scan_tiled_kernel(
     A = tl.load(A_ptr + d * stride_A_d + n * stride_A_n, mask=mask_dn, other=0.0).to(tl.float32) * LOG2E
     hs_row = hs_ptr + (pid_s * tl.num_programs(1) + pid_d) * (TILE_T * BLOCK_D * BLOCK_N) + dl * BLOCK_N + n
     hs_tile = hs_row + r * (BLOCK_D * BLOCK_N)
+    # one row of the scratch on: a tile, so that each step's pointer moves by one operation (a scalar offset is a
+    # splat and an add under the interpreter)
+    hs_next = tl.full([1, BLOCK_D, BLOCK_N], BLOCK_D * BLOCK_N, tl.int64)
 
     t0 = 0
     while t0 < T:
@@ -270,10 +275,12 @@ def _ssm_scan_tiled_kernel(
         delta = _softplus(dt)
         decays = tl.where(valid, tl.exp2(delta * A), 1.0)                   # [TILE_T, BLOCK_D, BLOCK_N]
         inputs = tl.where(valid, Bt * (delta * x), -0.0)
-        for j in tl.static_range(TILE_T):
+        hs_j = hs_row
+        for j in tl.static_range(STEPS):
             pick = tl.full([1, BLOCK_D, BLOCK_N], j, tl.int64)
             h = tl.gather(decays, pick, 0) * h + tl.gather(inputs, pick, 0)
-            tl.store(hs_row + j * (BLOCK_D * BLOCK_N), h)
+            tl.store(hs_j, h)
+            hs_j += hs_next
         tl.debug_barrier()      # compiled, other threads wrote parts of the tile (a no-op under the interpreter)
         hs = tl.load(hs_tile)                                                # every h_t of the tile
         tl.debug_barrier()      # ... and the next tile's steps must not overwrite it before every thread has read it

@@ -43,7 +43,7 @@ for even in (False, True):      # masks where the blocks overhang; none, one seq
                                                   SAME_STATE=even))
     build(interp._ssm_scan_one_token_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, EVEN_D=even,
                                                   EVEN_N=even, DENSE=even, ONE_SEQ=even))
-build(interp._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, TILE_T=16))
+build(interp._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, TILE_T=16, STEPS=16))
 build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=True, BLOCK_P=64, BLOCK_N=128))
 build(k2._ssd_chunked_kernel, dict(BLOCK_Q=64, BLOCK_P=64, BLOCK_N=128))
 build(k2._gated_norm_kernel, dict(BLOCK=1024), floats=("eps",))
