@@ -7,8 +7,8 @@ session): a decode step that runs for 2 us on the GPU took 150 us called from Py
 
 `Launch(kernel, interpret)(grid, tensors, scalars, meta)` does the same launch. Its first call with a given key goes
 through Triton's own path (compiling if needed) and keeps the compiled kernel; later calls with that key call the
-compiled kernel's launcher directly, as Triton itself does after its lookup. The key is finer than Triton's, so a kept kernel is
-always the one Triton would pick:
+compiled kernel's launcher directly, as Triton itself does after its lookup. The key is finer than Triton's, so a
+kept kernel is always the one Triton would pick:
 * every integer argument by value (Triton keys on value classes: 1, multiple of 16, 32 or 64 bits),
 * every tensor argument by dtype and by whether its address is a multiple of 16,
 * every meta (constexpr and option) value in call order, and the current device.
