@@ -70,7 +70,10 @@ def main() -> int:
     import triton
 
     import mamba_debug as md
+    from mamba_debug.plugins import load_plugin
     from mamba_debug.settings import resolve_device
+    from mamba_debug.triton_launch import launch_paths
+    from mamba_debug.views import textcache
 
     model = md.load_model()
     L = model.config.n_layer
@@ -120,6 +123,8 @@ def main() -> int:
         "what": "mamba-debug dashboard responsiveness on the shipped tiny model (ms)",
         "date": datetime.date.today().isoformat(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "text": textcache.status(),
+                    "kernel_launches": sorted(set(launch_paths(load_plugin("triton").module).values())),
                     "torch": torch.__version__, "triton": triton.__version__,
                     "device": resolve_device(None), "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},

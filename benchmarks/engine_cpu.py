@@ -43,8 +43,12 @@ def main():
     rows.append({"what": f"sweep offload 0..{model.config.n_layer + 1} x ubatch 1,8,32,512 ({len(sw['cells'])} runs), "
                          f"64+16 tokens, triton, {sw['workers']} processes", "seconds": time.perf_counter() - t,
                  "diverged": any(c["first_divergence"] for c in sw["cells"]), "goal_s": 60})
+    from mamba_debug.plugins import load_plugin  # noqa: PLC0415
+    from mamba_debug.triton_launch import launch_paths  # noqa: PLC0415
+    paths = sorted(set(launch_paths(load_plugin("triton").module).values()))
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cores, torch {torch.__version__}", "model": repr(model), "rows": rows}
+           f"{os.cpu_count()} cores, torch {torch.__version__}", "kernel_launches": paths, "model": repr(model),
+           "rows": rows}
     Path(__file__).parent.joinpath("results", "engine_cpu.json").write_text(json.dumps(out, indent=1))
     print(f"{'what':100s} {'s':>7s} {'goal':>5s} diverged")
     for r in rows:

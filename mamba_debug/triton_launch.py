@@ -148,6 +148,14 @@ class Interpreted:
         return True
 
 
+def launch_paths(module) -> dict:
+    """Which path each `Launch` of a kernel file takes: "compiled (kept launchers)", "interpreted (lean)" or
+    "interpreted (Triton's GridExecutor)" (benchmarks record it beside their figures)."""
+    return {name: ("compiled (kept launchers)" if not obj.interpret else
+                   "interpreted (lean)" if obj.interpreted is not None else "interpreted (Triton's GridExecutor)")
+            for name, obj in vars(module).items() if isinstance(obj, Launch)}
+
+
 class Launch:
     """One jit kernel's launches (see the module docstring): `launch(grid, tensors, scalars, meta)` is
     `kernel[grid](*tensors, *scalars, **meta)`. The kernel's leading parameters are its tensors, then its scalars;
