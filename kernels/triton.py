@@ -460,10 +460,9 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
                *y.stride(), *new_state.stride(), *so_strides)
     n_blocks = _cdiv(D, plan["BLOCK_D"])
     if plan["schedule"] == "tiled":
-        hs = torch.zeros((S, n_blocks, plan["TILE_T"], plan["BLOCK_D"], meta["BLOCK_N"]), dtype=torch.float32,
-                         device=x.device)     # zeros: the rows a one-tile prompt does not reach are read, masked off
-        _launch_tiled((S, n_blocks), (*tensors, hs), (T, D, N, *strides),
-                      dict(meta, TILE_T=plan["TILE_T"], STEPS=min(T, plan["TILE_T"])))
+        tile = plan["TILE_T"]       # scratch zeros: the rows a one-tile prompt does not reach are read, masked off
+        hs = torch.zeros((S, n_blocks, tile, plan["BLOCK_D"], meta["BLOCK_N"]), dtype=torch.float32, device=x.device)
+        _launch_tiled((S, n_blocks), (*tensors, hs), (T, D, N, *strides), dict(meta, TILE_T=tile, STEPS=min(T, tile)))
         return y, new_state
     _scan_steps(plan, S, T, D, N, tensors, strides, meta)
     return y, new_state
