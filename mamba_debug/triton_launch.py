@@ -22,13 +22,18 @@ Under the interpreter (`Interpreted`), a launch with CPU tensors only runs the k
 (`inspect.getfullargspec`, `getcallargs`), each tensor's storage "copied to the host" (an alias, for a CPU tensor)
 and back onto itself after the grid ran, and triton.language scanned for its builtins to patch (the patches are
 kept and set again). A launch of a 31-argument kernel that does nothing took 0.84 ms, now 0.27 ms; a decode step
-launches two kernels a layer, each a few ms (benchmarks/README.md, sixteenth session).
+launches two kernels a layer, each a few ms (benchmarks/README.md, sixteenth session). Its first launch with an
+argument key is recorded, later ones replay the recorded operations (`triton_replay`: the same numpy operations
+without triton.language in between, the same bits; a kernel whose Python reads back what differs between launches
+is not recorded).
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+
+from . import triton_replay
 
 
 _MISSING = object()
@@ -110,49 +115,157 @@ class Interpreted:
             self.patches = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
         finally:
             scope.restore()
-        slots = {(id(obj), name): (obj, name) for obj, name, _ in self.patches}   # a class patched twice: once
-        self.slots = list(slots.values())
+        self.memo = [(interpreter, "_get_np_dtype", _np_dtype_memo(interpreter))]
+        self.patches += self.memo
+        import numpy  # noqa: PLC0415
+        self.np = numpy
+        self.traces: dict = {}          # argument key -> triton_replay.Trace, or REFUSED
+        self.refused: dict = {}         # kernel name -> why its launches are not replayed
+        self.replays = 0
 
     def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, meta: dict) -> bool:
         """Run the launch; False (nothing run) when a tensor is not a plain CPU tensor: Triton's own path then."""
         if not all(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors):   # a Parameter is one too
             return False
-        I, constexprs = self.I, self.constexprs
-        args = dict(self.defaults)
-        args.update(zip(self.names, (*tensors, *scalars)))
-        args.update((k, v) for k, v in meta.items() if k in self.arg_set)   # num_warps & co. are no arguments
-        saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name in self.slots]
+        key = self._key(grid, tensors, scalars, meta)
+        trace = self.traces.get(key)
+        replay = isinstance(trace, (triton_replay.Trace, list))
+        # a replay calls the builder only: the language patches matter to the interpreter's reductions alone
+        patches = self.patches if not replay or triton_replay.needs_language(trace) else self.memo
+        saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in patches]
         try:
-            for obj, name, value in self.patches:
+            for obj, name, value in patches:
                 setattr(obj, name, value)
-            args = {k: v if k in constexprs else I._implicit_cvt(v) for k, v in args.items()}
-            gx, gy, gz = (*grid, 1, 1)[:3]
-            I.interpreter_builder.set_grid_dim(gx, gy, gz)
+            grid3 = (*grid, 1, 1)[:3]
+            self.I.interpreter_builder.set_grid_dim(*grid3)
             try:
-                for x in range(gx):
-                    for y in range(gy):
-                        for z in range(gz):
-                            I.interpreter_builder.set_grid_idx(x, y, z)
-                            self.fn(**args)
+                if replay:
+                    self._replay(trace, grid3, tensors)
+                    self.replays += 1
+                else:
+                    self._interpret(grid3, tensors, scalars, meta, key, record=trace is None and key is not None)
             except Exception as e:
                 import triton  # noqa: PLC0415
                 if triton.knobs.compilation.front_end_debugging:
                     raise
-                raise I.InterpreterError(repr(e)) from e
+                raise self.I.InterpreterError(repr(e)) from e
         finally:
-            for obj, name, value in saved:
+            for obj, name, value in reversed(saved):
                 if value is _MISSING:
                     delattr(obj, name)
                 else:
                     setattr(obj, name, value)
         return True
 
+    def _interpret(self, grid3, tensors, scalars, meta, key, record: bool):
+        """Walk the grid as Triton's GridExecutor does; with `record`, keep what the grid points did (`_record`)."""
+        I, constexprs = self.I, self.constexprs
+        args = dict(self.defaults)
+        args.update(zip(self.names, (*tensors, *scalars)))
+        args.update((k, v) for k, v in meta.items() if k in self.arg_set)   # num_warps & co. are no arguments
+        args = {k: v if k in constexprs else I._implicit_cvt(v) for k, v in args.items()}
+        handles = {k: v.handle for k, v in args.items() if k not in constexprs and isinstance(v, I.tl.tensor)}
+        points: list = []
+        gx, gy, gz = grid3
+        for x in range(gx):
+            for y in range(gy):
+                for z in range(gz):
+                    I.interpreter_builder.set_grid_idx(x, y, z)
+                    if record:
+                        record = self._record(triton_replay.Recorder(I, handles), args, points)
+                    else:
+                        self.fn(**args)
+        if points:
+            self._keep(key, points, gx * gy * gz)
+
+    def _key(self, grid, tensors, scalars, meta):
+        """What fixes a launch's sequence of builder calls; None (no replay) when replays are off."""
+        if not triton_replay.enabled():
+            return None
+        try:
+            values = (*meta.values(), *scalars)
+            key = (tuple(grid), values, tuple(map(type, values)), tuple(t.dtype for t in tensors))
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def _record(self, rec, args, points) -> bool:
+        """A grid point run as usual while `rec` notes its builder calls (appended to `points`); whether the next
+        point is to be recorded too (not once one is refused, nor when one trace serves every point)."""
+        hooks = triton_replay.install(rec, self.patches)
+        saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in hooks]
+        try:
+            for obj, name, value in hooks:
+                setattr(obj, name, value)
+            self.fn(**args)
+            triton_replay.still_set(rec, hooks)
+        finally:
+            for obj, name, value in reversed(saved):
+                if value is _MISSING:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, value)
+        points.append(rec)
+        return rec.refused is None and rec.per_point
+
+    def _keep(self, key, points, n_points):
+        """Keep the launch's traces: one for every point, one per point, or REFUSED (with the reason)."""
+        if len(self.traces) >= MAX_KEYS:
+            self.traces.clear()
+        refused = next((r.refused for r in points if r.refused is not None), None)
+        if refused is None and points[0].per_point and n_points > triton_replay.MAX_POINTS:
+            refused = f"its program id steers Python over more than {triton_replay.MAX_POINTS} grid points"
+        if refused is None and points[0].per_point and len(points) != n_points:
+            refused = "a grid point's trace is missing"
+        if refused is not None:
+            self.traces[key] = triton_replay.REFUSED
+            self.refused[self.fn.__name__] = refused
+            return
+        fixed = triton_replay.POINT if points[0].per_point else triton_replay.KEY
+        traces = [triton_replay.Trace(r, fixed) for r in points]
+        self.traces[key] = traces[0] if len(traces) == 1 and not points[0].per_point else traces
+
+    def _replay(self, trace, grid, tensors):
+        """Run a kept launch: one Trace for every grid point, or a list of them, one per point in grid order."""
+        np, TH = self.np, self.I.TensorHandle
+        by_name = dict(zip(self.names, tensors))
+        first = trace[0] if isinstance(trace, list) else trace
+        handles = [TH(np.array([by_name[name].data_ptr()], dtype=np.uint64), ty) for name, ty in first.pointer_args]
+        builder = self.I.interpreter_builder
+        i = 0
+        for x in range(grid[0]):
+            for y in range(grid[1]):
+                for z in range(grid[2]):
+                    builder.set_grid_idx(x, y, z)
+                    (trace[i] if isinstance(trace, list) else trace).run(*handles)
+                    i += 1
+
+
+def _np_dtype_memo(interpreter):
+    """The interpreter's `_get_np_dtype`, which builds a 19-entry dict of Triton types at each of its calls (two or
+    three per operation, ~12 us each), answered from a memo for plain element types (blocks by their element)."""
+    tl, orig = interpreter.tl, interpreter._get_np_dtype
+    memo: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        t = tt_dtype.element_ty if type(tt_dtype) is tl.block_type else tt_dtype
+        if type(t) is not tl.dtype:             # pointers and anything else: as Triton answers
+            return orig(tt_dtype)
+        np_dtype = memo.get(t.name)
+        if np_dtype is None:
+            np_dtype = memo[t.name] = orig(t)
+        return np_dtype
+    return _get_np_dtype
+
 
 def launch_paths(module) -> dict:
-    """Which path each `Launch` of a kernel file takes: "compiled (kept launchers)", "interpreted (lean)" or
-    "interpreted (Triton's GridExecutor)" (benchmarks record it beside their figures)."""
+    """Which path each `Launch` of a kernel file takes: "compiled (kept launchers)", "interpreted (lean, replayed)"
+    (MAMBA_DEBUG_REPLAY=0: "interpreted (lean)") or "interpreted (Triton's GridExecutor)" (benchmarks record it
+    beside their figures)."""
+    lean = "interpreted (lean, replayed)" if triton_replay.enabled() else "interpreted (lean)"
     return {name: ("compiled (kept launchers)" if not obj.interpret else
-                   "interpreted (lean)" if obj.interpreted is not None else "interpreted (Triton's GridExecutor)")
+                   lean if obj.interpreted is not None else "interpreted (Triton's GridExecutor)")
             for name, obj in vars(module).items() if isinstance(obj, Launch)}
 
 

@@ -208,8 +208,11 @@ def test_the_interpreter_launch_leaves_what_it_does_not_know_to_triton():
     assert lean((1,), (meta_tensor, meta_tensor), (13, 1.0), {"BLOCK": 16}) is False
 
 
-def test_launch_paths_say_which_path_each_launcher_takes():
+def test_launch_paths_say_which_path_each_launcher_takes(monkeypatch):
     from mamba_debug.triton_launch import launch_paths
     module = SimpleNamespace(lean=Launch(_interpreted_kernel(), interpret=True),
                              fake=Launch(FakeKernel(), interpret=True), other=3)
-    assert launch_paths(module) == {"lean": "interpreted (lean)", "fake": "interpreted (Triton's GridExecutor)"}
+    assert launch_paths(module) == {"lean": "interpreted (lean, replayed)",
+                                    "fake": "interpreted (Triton's GridExecutor)"}
+    monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "0")
+    assert launch_paths(module)["lean"] == "interpreted (lean)"

@@ -1,0 +1,295 @@
+"""Replay an interpreted Triton kernel's operations without the language front end in between.
+
+Under TRITON_INTERPRET=1 a kernel is plain Python: every `a + b` goes through triton.language's type checks,
+broadcasting and tensor wrappers (~20 us), then one numpy operation of the interpreter's builder (~3-5 us). What
+the builder is asked to compute depends only on what the kernel's Python control flow saw, so for one argument
+key (constexprs, scalar argument values, tensor dtypes, grid) the sequence of builder calls is the same at every
+launch, as long as no branch, loop bound or index was read from something that differs between launches: a
+pointer, a loaded value or the program id. A `Recorder` watches the first grid point of a launch as it runs
+normally: each builder call (and each reduction or scan of the interpreter's own), its inputs as the results of
+earlier calls or as the kernel's arguments; every value Python reads back (`bool`, `int`, `range` bounds) is
+checked to depend on neither. Later launches with that key run the recorded calls in order (`Trace`): the same
+numpy operations on the same inputs, so the same bits, in a fraction of the time.
+
+A kernel that reads a pointer, a loaded value or its program id into Python, builds a value outside the builder
+(the interpreter's `.T`), prints one, or runs past MAX_OPS operations is not recorded: it runs as before
+(`refused` says why). `MAMBA_DEBUG_REPLAY=0` turns replays off.
+"""
+from __future__ import annotations
+
+import os
+
+MAX_OPS = 50_000            # a longer first grid point (a long prompt's scan loop) is not kept
+MAX_POINTS = 1024            # a larger grid whose program id steers Python is not kept
+REFUSED = object()          # a key whose first grid point could not be recorded
+KEY, POINT, DATA = 0, 1, 2  # a value fixed by the argument key, by the key and the grid point, or by the data
+
+
+def enabled() -> bool:
+    return os.environ.get("MAMBA_DEBUG_REPLAY", "1") != "0"
+
+
+class Refused(Exception):
+    """The kernel's Python read back a value a replay could not reproduce."""
+
+
+class Recorder:
+    """The builder calls of one grid point, with each result's dependence on pointers, loads and the program id."""
+
+    def __init__(self, I, arg_handles: dict):
+        self.I = I
+        self.slot: dict = {}            # id(handle) -> slot index
+        self.keep: list = []            # the handles, alive while recording (ids stay unique)
+        self.tainted: list = []         # per slot: KEY, POINT or DATA (what its value depends on)
+        self.ops: list = []             # (fn, args, kwargs, outs)
+        self.args: list = []            # (name, slot, is pointer)
+        self.depth = 0
+        self.refused: str | None = None
+        self.per_point = False          # Python read a value of the program id: one trace per grid point
+        for name, h in arg_handles.items():
+            pointer = hasattr(h.dtype, "element_ty")
+            self.args.append((name, self._new(h, DATA if pointer else KEY), pointer))
+
+    def _new(self, handle, tainted: int) -> int:
+        self.slot[id(handle)] = len(self.keep)
+        self.keep.append(handle)
+        self.tainted.append(tainted)
+        return len(self.keep) - 1
+
+    def refuse(self, why: str):
+        if self.refused is None:
+            self.refused = why
+        raise Refused(why)
+
+    @property
+    def on(self) -> bool:
+        return self.refused is None and self.depth == 0
+
+    # inputs become ("s", slot) or ("k", constant)
+    def _ref(self, v, taint: list):
+        TH = self.I.TensorHandle
+        if isinstance(v, TH):
+            s = self.slot.get(id(v))
+            if s is None:
+                self.refuse("a value built outside the interpreter's builder")
+            taint.append(self.tainted[s])
+            return ("s", s)
+        if isinstance(v, (list, tuple)) and any(isinstance(x, (TH, list, tuple)) for x in v):
+            return ("t", type(v), tuple(self._ref(x, taint) for x in v))
+        if isinstance(v, self.I.TensorDescHandle):
+            self.refuse("a tensor descriptor")
+        return ("k", v)
+
+    def call(self, fn, args, kwargs, out, program_id: bool = False):
+        """Note one builder call (already run) and its result; never raises into the kernel."""
+        try:
+            self._call(fn, args, kwargs, out, program_id)
+        except Refused:
+            pass
+
+    def _call(self, fn, args, kwargs, out, program_id):
+        if len(self.ops) >= MAX_OPS:
+            self.refuse(f"more than {MAX_OPS} operations in a grid point")
+        taint: list = []
+        a = tuple(self._ref(v, taint) for v in args)
+        k = {n: self._ref(v, taint) for n, v in kwargs.items()}
+        TH = self.I.TensorHandle
+        handles = [out] if isinstance(out, TH) else \
+            list(out) if isinstance(out, (list, tuple)) and out and all(isinstance(x, TH) for x in out) else None
+        if handles is None and out is not None:
+            if not taint:
+                return                  # a type or a policy: a constant of the calls that take it
+            self.refuse(f"{getattr(fn, '__name__', fn)} hands Python a value")
+        if handles is None and not taint:
+            return
+        t = max(taint, default=KEY)
+        t = max(t, POINT) if program_id else t
+        outs = tuple(self._new(h, t) for h in handles or ())
+        self.ops.append((fn, a, k, outs, not isinstance(out, TH) and handles is not None))
+
+    def read(self, handle, what: str):
+        """Python reads `handle` (a branch, a loop bound, an index): allowed when no launch of this key differs."""
+        if not self.on:
+            return
+        s = self.slot.get(id(handle))
+        try:
+            if s is None:
+                self.refuse(f"{what} of a value built outside the builder")
+            if self.tainted[s] == DATA:
+                self.refuse(f"{what} of a value that depends on a pointer or a loaded value")
+            self.per_point |= self.tainted[s] == POINT
+        except Refused:
+            pass
+
+
+_SKIP = frozenset({"__init__", "set_grid_idx", "set_grid_dim"})
+
+
+def install(rec: Recorder, patches: list) -> list:
+    """Hooks that feed `rec` while a grid point runs: (obj, name, value) to set, in the same form as the launch's
+    language patches (the caller sets and restores them all)."""
+    I = rec.I
+    builder = I.interpreter_builder
+    out = []
+    for name, member in vars(type(builder)).items():
+        if name in _SKIP or not callable(member):
+            continue
+        out.append((builder, name, _builder_hook(rec, getattr(builder, name), name == "create_get_program_id")))
+    apply = I.ReduceScanOpInterface.apply
+    out.append((I.ReduceScanOpInterface, "apply", _reduce_hook(rec, apply)))
+    tensor = I.tl.core.tensor
+    current = {(id(o), n): v for o, n, v in patches}
+    reads = []
+    for name, what in (("__index__", "an index"), ("__bool__", "a branch")):
+        orig = current.get((id(tensor), name), getattr(tensor, name, None))
+        reads.append((tensor, name, _read_hook(rec, orig, what, lambda t: t.handle)))
+    for name in ("__repr__", "__str__"):
+        orig = current.get((id(tensor), name), getattr(tensor, name))
+        reads.append((tensor, name, _refuse_hook(rec, orig, "a printed value")))
+    out += reads
+    out.append((I.TensorHandle, "__bool__", _read_hook(rec, I.TensorHandle.__bool__, "a branch", lambda h: h)))
+    # a jit helper called by the kernel (tl.cumsum, a user's @triton.jit function) patches the language again,
+    # tl.tensor's conversions included: the read hooks go back on after it
+    patch_lang = I._patch_lang
+
+    def _patch_lang(fn):
+        scope = patch_lang(fn)
+        for obj, name, value in reads:
+            setattr(obj, name, value)
+        return scope
+    out.append((I, "_patch_lang", _patch_lang))
+    return out
+
+
+def still_set(rec: Recorder, hooks: list):
+    """After the grid point: a hook something else replaced saw nothing after that, so the trace is not kept."""
+    if rec.refused is None and any(getattr(obj, name, None) is not value for obj, name, value in hooks):
+        rec.refused = "a hook was replaced while the kernel ran"
+
+
+def _builder_hook(rec, bound, program_id):
+    def hook(*args, **kwargs):
+        if not rec.on:
+            return bound(*args, **kwargs)
+        rec.depth += 1
+        try:
+            out = bound(*args, **kwargs)
+        finally:
+            rec.depth -= 1
+        rec.call(bound, args, kwargs, out, program_id)
+        return out
+    return hook
+
+
+def _reduce_hook(rec, apply):
+    """The interpreter's reductions and scans compute on the handles' arrays directly: one recorded call each."""
+    def hook(self, input):
+        if not rec.on or not isinstance(input, tuple):
+            return apply(self, input)
+        rec.depth += 1
+        try:
+            out = apply(self, input)
+        finally:
+            rec.depth -= 1
+        rec.call(_Reduce(self, [x.type for x in input], rec.I.tl.core.tensor),
+                 [x.handle for x in input], {}, tuple(o.handle for o in out))
+        return out
+    return hook
+
+
+# combine functions the interpreter's reductions and scans compute with numpy alone (no Triton function called)
+_NUMPY_COMBINES = ("_sum_combine", "_prod_combine", "_elementwise_max", "_elementwise_min",
+                   "_argmin_combine_tie_break_left", "_argmin_combine_tie_break_fast",
+                   "_argmax_combine_tie_break_left", "_argmax_combine_tie_break_fast")
+
+
+class _Reduce:
+    def __init__(self, op, types, tensor):
+        self.op, self.types, self.tensor = op, types, tensor
+        self.__name__ = type(op).__name__
+        standard = __import__("triton.language.standard", fromlist=["_"])
+        self.language = not any(op.combine_fn is getattr(standard, n, None) for n in _NUMPY_COMBINES)
+
+    def __call__(self, *handles):
+        out = self.op.apply(tuple(self.tensor(h, t) for h, t in zip(handles, self.types)))
+        return tuple(o.handle for o in out)
+
+
+def _read_hook(rec, orig, what, handle_of):
+    def hook(self):
+        rec.read(handle_of(self), what)
+        return orig(self)
+    return hook
+
+
+def _refuse_hook(rec, orig, what):
+    def hook(self):
+        if rec.on:
+            try:
+                rec.refuse(what)
+            except Refused:
+                pass
+        return orig(self)
+    return hook
+
+
+class Trace:
+    """A recorded grid point as one straight-line Python function of the launch's pointer arguments.
+
+    Values fixed by the key (or, in a per-point trace, by the key and the point: `fixed`), such as index arithmetic
+    on scalar arguments, masks and constants, are not computed again: the function reads the recorded arrays, made
+    read-only (the builder never writes into an input; were it to, the replay fails loudly instead of drifting)."""
+
+    def __init__(self, rec: Recorder, fixed: int):
+        self.pointer_args = [(name, rec.keep[s].dtype) for name, s, p in rec.args if p]
+        ns: dict = {}
+        src = _Source(rec, fixed, ns)
+        lines = ["def run(" + ", ".join(f"v{s}" for _, s, p in rec.args if p) + "):"]
+        self.n_ops = 0
+        for i, (fn, a, k, outs, many) in enumerate(rec.ops):
+            if outs and all(rec.tainted[o] <= fixed for o in outs):
+                continue
+            self.n_ops += 1
+            ns[f"f{i}"] = fn
+            call = f"f{i}(" + ", ".join([src(x) for x in a] + [f"{n}={src(x)}" for n, x in k.items()]) + ")"
+            if not outs:
+                lines.append(f"    {call}")
+            elif many:
+                lines.append(f"    {', '.join(f'v{o}' for o in outs)}, = {call}")
+            else:
+                lines.append(f"    v{outs[0]} = {call}")
+        lines.append("    return None")
+        exec(compile("\n".join(lines), "<mamba_debug.triton_replay>", "exec"), ns)
+        self.run = ns["run"]
+        self.n_recorded = len(rec.ops)
+        self.language = any(isinstance(fn, _Reduce) and fn.language for fn, *_ in rec.ops)
+
+
+def needs_language(trace) -> bool:
+    """Whether a kept launch (a Trace or one per grid point) runs one of the interpreter's reductions, whose combine
+    function may be a Triton function run by the interpreter (triton.language patched)."""
+    return any(t.language for t in trace) if isinstance(trace, list) else trace.language
+
+
+class _Source:
+    """An input of a recorded call as source text: a slot computed in the replay, a fixed one, or a constant."""
+
+    def __init__(self, rec: Recorder, fixed: int, ns: dict):
+        self.rec, self.fixed, self.ns, self.n = rec, fixed, ns, 0
+
+    def __call__(self, x) -> str:
+        if x[0] == "s":
+            s = x[1]
+            if self.rec.tainted[s] > self.fixed:
+                return f"v{s}"
+            handle = self.rec.keep[s]
+            handle.data.flags.writeable = False
+            self.ns[f"c{s}"] = handle
+            return f"c{s}"
+        if x[0] == "t":
+            inner = ", ".join(self(y) for y in x[2])
+            return f"({inner},)" if x[1] is tuple else f"[{inner}]"
+        name = f"k{self.n}"
+        self.n += 1
+        self.ns[name] = x[1]
+        return name

@@ -1,0 +1,142 @@
+"""mamba_debug.triton_replay: an interpreted kernel's builder calls recorded once per argument key, then replayed.
+
+A replay must give the bits a full interpretation gives, for the product's kernels (fresh inputs at every call, so a
+trace that kept a value it should not have would show) and for kernels whose Python reads values back: a loop bound
+from a scalar argument (in the key), a branch on the program id (one trace per grid point), a branch on a loaded
+value (not recorded at all).
+"""
+import pytest
+import torch
+
+import mamba_debug as md
+from mamba_debug import triton_replay
+from mamba_debug.triton_launch import Launch
+
+SHAPES = [dict(S=1, T=1, D=64, N=8), dict(S=2, T=1, D=48, N=8), dict(S=2, T=16, D=64, N=8),
+          dict(S=3, T=5, D=48, N=16)]
+
+
+def _flat(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _flat(o)] if isinstance(out, (tuple, list)) else []
+
+
+def _call(op, fn, shape, seed):
+    args = md.example_inputs(op, seed=seed, **shape)
+    return [t.clone() for t in _flat(fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]))]
+
+
+def _launchers(plugin):
+    import sys
+    mods = [m for name, m in sys.modules.items() if name.startswith(f"mamba_debug_plugin_{plugin}_interpret")]
+    return [obj for m in mods for obj in vars(m).values() if isinstance(obj, Launch) and obj.interpreted is not None]
+
+
+@pytest.mark.parametrize("plugin", ["triton", "triton_mamba2"])
+def test_replays_give_the_bits_of_a_full_interpretation(plugin, monkeypatch):
+    """Each op of the shipped kernels, at decode, prompt and awkward shapes, over fresh inputs each call: the first
+    call of a shape records, the others replay; every output equals the interpreter's own, bit for bit."""
+    ops = md.load_kernels(plugin)
+    for shape in SHAPES:
+        for op, fn in ops.items():
+            monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "0")
+            want = [_call(op, fn, shape, seed) for seed in (1, 2, 3)]
+            monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
+            got = [_call(op, fn, shape, seed) for seed in (1, 2, 3)]
+            for w, g in zip(want, got):
+                assert len(w) == len(g) and all(torch.equal(a, b) for a, b in zip(w, g)), (op, shape)
+    launchers = _launchers(plugin)
+    assert launchers and all(x.interpreted.replays > 0 for x in launchers if x.interpreted.traces), \
+        {x.interpreted.fn.__name__: x.interpreted.refused for x in launchers}
+    assert not any(x.interpreted.refused for x in launchers)
+
+
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def loop(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        # a runtime scalar as a loop bound: read into Python, so it is part of the key
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(n):
+            acc += tl.load(x_ptr + i * BLOCK + offs)
+        tl.store(y_ptr + offs, acc + tl.sum(acc, 0))
+
+    @triton.jit
+    def first_program(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        # Python branches on the program id: one trace per grid point
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs)
+        if pid == 0:
+            v = v * 2.0
+        tl.store(y_ptr + offs, tl.cumsum(v, 0))
+
+    @triton.jit
+    def data_branch(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        # Python branches on a loaded value: never recorded
+        offs = tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs)
+        if tl.load(x_ptr) > 0:
+            v = -v
+        tl.store(y_ptr + offs, v)
+    return loop, first_program, data_branch
+
+
+def test_what_python_reads_back_decides_how_a_kernel_is_replayed(monkeypatch):
+    loop, first_program, data_branch = _kernels()
+    g = torch.Generator().manual_seed(0)
+
+    def both(kernel, grid, make, scalars, meta, calls=3, launch=None):
+        monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
+        launch = launch or Launch(kernel, interpret=True)
+        for _ in range(calls):
+            x, n_out = make()
+            want, got = torch.zeros(n_out), torch.zeros(n_out)
+            kernel[grid](x, want, *scalars, **meta)
+            launch(grid, (x, got), scalars, meta)
+            assert torch.equal(got, want)
+        return launch.interpreted
+
+    launch = Launch(loop, interpret=True)
+    lean = both(loop, (1,), lambda: (torch.randn(5 * 8, generator=g), 8), (3,), {"BLOCK": 8}, launch=launch)
+    assert lean.replays == 2 and not lean.refused
+    both(loop, (1,), lambda: (torch.randn(5 * 8, generator=g), 8), (5,), {"BLOCK": 8}, calls=2, launch=launch)
+    assert lean.replays == 3 and len(lean.traces) == 2     # another loop bound: another key
+    per_point = both(first_program, (3,), lambda: (torch.randn(24, generator=g), 24), (), {"BLOCK": 8})
+    trace = next(iter(per_point.traces.values()))
+    assert isinstance(trace, list) and len(trace) == 3 and per_point.replays == 2
+    signs = iter([1.0, -1.0, 1.0, -1.0])
+    refused = both(data_branch, (1,), lambda: (torch.randn(8, generator=g).abs() * next(signs), 8), (), {"BLOCK": 8},
+                   calls=4)
+    assert refused.replays == 0 and "loaded value" in refused.refused["data_branch"]
+
+
+def test_recording_leaves_the_interpreter_as_it_was(monkeypatch):
+    """The hooks of a recording (builder methods, the reductions, tl.tensor's conversions) are gone after it, after
+    a kernel that raised too; MAMBA_DEBUG_REPLAY=0 records nothing."""
+    import triton.language as tl
+    from triton.runtime import interpreter as I
+    from triton.runtime.errors import InterpreterError
+
+    def attrs():
+        return ({n: getattr(tl.tensor, n, None) for n in ("__index__", "__bool__", "__repr__", "__str__")},
+                dict(vars(I.interpreter_builder)), I.ReduceScanOpInterface.apply, I.TensorHandle.__bool__,
+                I._patch_lang)
+
+    loop, first_program, _ = _kernels()
+    before = attrs()
+    launch = Launch(loop, interpret=True)
+    launch((1,), (torch.ones(16), torch.zeros(8)), (2,), {"BLOCK": 8})
+    assert attrs() == before and launch.interpreted.traces
+    with pytest.raises(InterpreterError):
+        Launch(first_program, interpret=True)((1,), (torch.ones(8), torch.zeros(8)), (), {"BLOCK": 6})
+    assert attrs() == before
+    monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "0")
+    off = Launch(loop, interpret=True)
+    off((1,), (torch.ones(16), torch.zeros(8)), (2,), {"BLOCK": 8})
+    assert not off.interpreted.traces
+    assert triton_replay.MAX_OPS > 1000
