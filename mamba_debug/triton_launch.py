@@ -233,12 +233,13 @@ class Interpreted:
         first = trace[0] if isinstance(trace, list) else trace
         handles = [TH(np.array([by_name[name].data_ptr()], dtype=np.uint64), ty) for name, ty in first.pointer_args]
         builder = self.I.interpreter_builder
+        mem = triton_replay.Memory(self.I, tensors)
         i = 0
         for x in range(grid[0]):
             for y in range(grid[1]):
                 for z in range(grid[2]):
                     builder.set_grid_idx(x, y, z)
-                    (trace[i] if isinstance(trace, list) else trace).run(*handles)
+                    (trace[i] if isinstance(trace, list) else trace).run(mem, *handles)
                     i += 1
 
 

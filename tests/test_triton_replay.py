@@ -140,3 +140,34 @@ def test_recording_leaves_the_interpreter_as_it_was(monkeypatch):
     off((1,), (torch.ones(16), torch.zeros(8)), (2,), {"BLOCK": 8})
     assert not off.interpreted.traces
     assert triton_replay.MAX_OPS > 1000
+
+
+def test_replayed_loads_and_stores_touch_the_bytes_the_interpreter_does(monkeypatch):
+    """A replay's loads and stores are numpy gathers and scatters (triton_replay.Memory): a strided view at an
+    offset into a larger storage, masked lanes, repeated store addresses (the last lane wins, as in the
+    interpreter's helper) and boolean data (the helper's own path) give what Triton's launch gives."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_scatter(x_ptr, flag_ptr, y_ptr, flag_out_ptr, n, stride, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(x_ptr + offs * stride, mask=mask, other=-1.0)
+        f = tl.load(flag_ptr + offs, mask=mask, other=0)
+        tl.store(y_ptr + offs, tl.where(f, v, 2 * v), mask=mask)
+        tl.store(y_ptr + BLOCK + offs // 4, v, mask=mask)       # four lanes to an address: the last one stays
+        tl.store(flag_out_ptr + offs, f == 0, mask=mask)
+
+    monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
+    launch = Launch(gather_scatter, interpret=True)
+    g = torch.Generator().manual_seed(1)
+    for n in (13, 13, 16, 13):
+        buf = torch.randn(100, generator=g)
+        x = buf[5:]                                           # an offset into a larger storage, read with stride 3
+        flag = torch.rand(16, generator=g) > 0.5
+        outs = [(torch.full((16 + 4,), float("nan")), torch.zeros(16, dtype=torch.bool)) for _ in range(2)]
+        gather_scatter[(1,)](x, flag, *outs[0], n, 3, BLOCK=16)
+        launch((1,), (x, flag, *outs[1]), (n, 3), {"BLOCK": 16})
+        assert torch.equal(outs[0][0].nan_to_num(7.0), outs[1][0].nan_to_num(7.0)) and torch.equal(*[o[1] for o in outs])
+    assert launch.interpreted.replays == 2 and not launch.interpreted.refused
