@@ -112,11 +112,12 @@ class Interpreted:
         # a new lambda on every launch (~0.3 ms); the wrappers hold no state of their own launch.
         scope = interpreter._patch_lang(self.fn)
         try:
-            self.patches = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
+            self.patches = [(obj, name, _index if name == "__index__" else getattr(obj, name))
+                            for obj, name, _ in scope._changes]
         finally:
             scope.restore()
         self.memo = [(interpreter, "_get_np_dtype", _np_dtype_memo(interpreter))]
-        self.patches += self.memo
+        self.patches += self.memo + [(interpreter, "_patch_lang", _keeping_index(interpreter._patch_lang))]
         import numpy  # noqa: PLC0415
         self.np = numpy
         self.traces: dict = {}          # argument key -> triton_replay.Trace, or REFUSED
@@ -241,6 +242,25 @@ class Interpreted:
                     builder.set_grid_idx(x, y, z)
                     (trace[i] if isinstance(trace, list) else trace).run(mem, *handles)
                     i += 1
+
+
+def _index(self):
+    """tl.tensor's `__index__` under the interpreter (a loop bound, an index read into Python): Triton 3.6 reads
+    `int(data)` of a one-element array, which numpy 2.5 refuses; Triton 3.9 squeezes it first, as here."""
+    data = self.handle.data
+    return int(data.reshape(-1)[0]) if data.size == 1 else int(data)
+
+
+def _keeping_index(patch_lang):
+    """The interpreter's `_patch_lang`, which a jit helper called by a kernel runs again (tl.zeros in Triton 3.6),
+    with `_index` set again after it."""
+    def _patch_lang(fn):
+        scope = patch_lang(fn)
+        for obj, name, _ in scope._changes:
+            if name == "__index__":
+                setattr(obj, name, _index)
+        return scope
+    return _patch_lang
 
 
 def _np_dtype_memo(interpreter):

@@ -253,7 +253,7 @@ class Trace:
                 continue
             self.n_ops += 1
             ns[f"f{i}"] = fn
-            memory_op = getattr(fn, "__name__", None) in Memory.OPS and getattr(fn, "__self__", None) is not None
+            memory_op = Memory.takes(fn)
             call = (f"mem.{fn.__name__}(" if memory_op else f"f{i}(") + ", ".join([src(x) for x in a] + [f"{n}={src(x)}" for n, x in k.items()]) + ")"
             if not outs:
                 lines.append(f"    {call}")
@@ -304,7 +304,24 @@ class Memory:
     whose unmasked addresses do not all lie, aligned, in one storage, or whose element type is not a plain number,
     takes the builder's own path, as does one whose shapes differ (the same bytes either way)."""
 
-    OPS = ("create_masked_load", "create_load", "create_masked_store", "create_store")
+    # the builder methods it stands in for, with their parameters in the Triton it was written against (3.9); a
+    # Triton whose builder takes others keeps its own (3.6 passes more)
+    OPS = {"create_masked_load": ("ptrs", "mask", "other", "cache_policy", "is_volatile"),
+           "create_load": ("ptr", "cache_policy", "is_volatile"),
+           "create_masked_store": ("ptrs", "value", "mask", "cache_policy"),
+           "create_store": ("ptr", "val", "cache_policy")}
+
+    @classmethod
+    def takes(cls, fn) -> bool:
+        """Whether a recorded call is one of the builder's loads or stores, with the parameters written for."""
+        name = getattr(fn, "__name__", None)
+        if name not in cls.OPS or getattr(fn, "__self__", None) is None:
+            return False
+        import inspect  # noqa: PLC0415
+        try:
+            return tuple(inspect.signature(fn).parameters) == cls.OPS[name]
+        except (TypeError, ValueError):
+            return False
 
     def __init__(self, I, tensors):
         import ctypes  # noqa: PLC0415

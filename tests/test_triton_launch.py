@@ -210,6 +210,7 @@ def test_the_interpreter_launch_leaves_what_it_does_not_know_to_triton():
 
 def test_launch_paths_say_which_path_each_launcher_takes(monkeypatch):
     from mamba_debug.triton_launch import launch_paths
+    monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
     module = SimpleNamespace(lean=Launch(_interpreted_kernel(), interpret=True),
                              fake=Launch(FakeKernel(), interpret=True), other=3)
     assert launch_paths(module) == {"lean": "interpreted (lean, replayed)",
