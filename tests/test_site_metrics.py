@@ -251,6 +251,15 @@ def test_many_sites_at_once_are_each_site_bit_for_bit():
             pairs.append((dev, ref))
     wide = torch.randn(2, 5, 32, generator=g)
     pairs.append((wide[..., :16], wide[..., 16:]))             # strided views: measured on their own
+    for k in range(3):     # slices of wider projections (x_proj's dt, B, C), float32 against float64: stacked
+        proj = torch.randn(2, 5, 48, generator=g, dtype=torch.float64)
+        noisy = (proj + 1e-6 * torch.randn(proj.shape, generator=g, dtype=torch.float64)).float()
+        pairs.append((noisy[..., 8:24], proj[..., 8:24]))
+        pairs.append((noisy[..., 24:40].contiguous(), proj[..., 24:40]))
+        pairs.append((noisy[:, :, None, :16], proj[:, :, None, 32:]))
+    for k in range(2):     # transposed views (strides out of row-major order): each on its own
+        sq = torch.randn(2, 16, 5, generator=g, dtype=torch.float64)
+        pairs.append((sq.transpose(1, 2).float(), sq.transpose(1, 2)))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -109,20 +109,18 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
         im = ax.imshow(arr, aspect="auto", cmap="PuOr_r", vmin=-lim, vmax=lim, interpolation="nearest")
         _bar_ticks(add_colorbar(ax, im))
         ax.set_title(f"{name}", fontsize=9, y=TITLE_Y)
-    dmax = float(np.abs(diff).max())
-    rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
+    # the difference panel holds both of its looks (the difference with its colour bar; "identical" in green),
+    # one shown: a run whose states start or stop agreeing updates the panel instead of building it again
     ax = axes[2]
-    if dmax == 0:
-        ax.imshow(np.zeros(diff.shape + (3,)) + np.array([0.72, 0.88, 0.53]), aspect="auto", interpolation="nearest")
-        ax.text(0.5, 0.5, "identical\n(difference exactly 0)", ha="center", va="center", transform=ax.transAxes,
-                fontsize=10, bbox=dict(fc="white", ec=EXACT_ZERO, alpha=0.9))
-        ax.set_title("device - reference", fontsize=9, y=TITLE_Y)
-    else:
-        im = ax.imshow(diff, aspect="auto", cmap="RdBu_r", vmin=-dmax, vmax=dmax, interpolation="nearest")
-        # each tick its own number (no "1e-6" offset above the bar, where it runs into the title)
-        _bar_ticks(add_colorbar(ax, im, format="%.1g" if dmax >= 1e-3 else "%.0e"))
-        ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
-                     color="tab:red" if rel > 1e-4 else "black", y=TITLE_Y)
+    im = ax.imshow(diff, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    bar = add_colorbar(ax, im)
+    _bar_ticks(bar)
+    green = ax.imshow(np.zeros(diff.shape + (3,)) + np.array([0.72, 0.88, 0.53]), aspect="auto",
+                      interpolation="nearest")
+    text = ax.text(0.5, 0.5, "identical\n(difference exactly 0)", ha="center", va="center", transform=ax.transAxes,
+                   fontsize=10, bbox=dict(fc="white", ec=EXACT_ZERO, alpha=0.9))
+    ax._mamba_debug_diff = (im, bar, green, text)
+    _show_diff(ax, ref, diff)
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
     for i, a in enumerate(axes):
         a.set_xlabel(_AXES.get(which, "state"), fontsize=8)
@@ -131,6 +129,28 @@ def state_row(res: CompareResult, axes, layer: int, token: int, which="ssm_state
         a.tick_params(labelsize=7, labelleft=i == 0)
     axes[0].set_ylabel(_ylabel(which, shown, how), fontsize=8)
     return diff
+
+
+def _show_diff(ax, ref: np.ndarray, diff: np.ndarray):
+    """The difference panel's look for `diff`: the difference, its colour limits, bar format and title, or
+    "identical" when it is exactly zero."""
+    from matplotlib.ticker import FormatStrFormatter  # noqa: PLC0415
+    im, bar, green, text = ax._mamba_debug_diff
+    dmax = float(np.abs(diff).max())
+    for artist in (im, bar.ax):
+        artist.set_visible(dmax > 0)
+    for artist in (green, text):
+        artist.set_visible(dmax == 0)
+    if dmax == 0:
+        ax.set_title("device - reference", fontsize=9, color="black", y=TITLE_Y)
+        return
+    im.set_data(diff)
+    im.set_clim(-dmax, dmax)
+    # each tick its own number (no "1e-6" offset above the bar, where it runs into the title)
+    bar.formatter = FormatStrFormatter("%.1g" if dmax >= 1e-3 else "%.0e")
+    rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
+    ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
+                 color="tab:red" if rel > 1e-4 else "black", y=TITLE_Y)
 
 
 def _bar_ticks(bar):
@@ -150,14 +170,13 @@ def _look(got) -> tuple:
     """What a row's panels hold, apart from their numbers: a redraw with the same looks only updates the data."""
     if got is None:
         return (None,)
-    ref, dev = got[0], got[1]
-    return (ref.shape, dev.shape, bool(np.abs(dev - ref).max() == 0))
+    return (got[0].shape, got[1].shape)
 
 
 def _update_row(axes, got, which: str) -> np.ndarray:
-    """The numbers of a row drawn before with the same look: image data, colour limits, colour bar format, titles.
-    What `state_row` would draw, without recreating axes, ticks and colour bars (most of a redraw's time)."""
-    from matplotlib.ticker import FormatStrFormatter  # noqa: PLC0415
+    """The numbers of a row drawn before with the same look: image data, colour limits, the difference panel's
+    look and titles. What `state_row` would draw, without recreating axes, ticks and colour bars (most of a
+    redraw's time)."""
     ref, dev, shown, how = got
     diff = dev - ref
     lim = max(float(np.abs(ref).max()), float(np.abs(dev).max()), 1e-30)
@@ -165,16 +184,7 @@ def _update_row(axes, got, which: str) -> np.ndarray:
         im = ax.images[0]
         im.set_data(arr)
         im.set_clim(-lim, lim)
-    dmax = float(np.abs(diff).max())
-    if dmax > 0:
-        rel = float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-300))
-        ax = axes[2]
-        ax._mamba_debug_colorbar.formatter = FormatStrFormatter("%.1g" if dmax >= 1e-3 else "%.0e")
-        im = ax.images[0]
-        im.set_data(diff)
-        im.set_clim(-dmax, dmax)
-        ax.set_title(f"device - reference  (||diff|| / ||ref|| = {rel:.2g})", fontsize=9,
-                     color="tab:red" if rel > 1e-4 else "black", y=TITLE_Y)
+    _show_diff(axes[2], ref, diff)
     axes[0].set_ylabel(_ylabel(which, shown, how), fontsize=8)
     return diff
 
