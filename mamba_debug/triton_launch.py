@@ -38,6 +38,7 @@ from . import triton_replay
 
 _MISSING = object()
 MAX_KEYS = 4096             # a shape per ubatch size and stride pattern; a process that sees more starts over
+MAX_TRACES = 256            # recorded interpreter launches per kernel (each holds its grid point's fixed arrays)
 
 
 # Host arithmetic of the launchers: triton.cdiv and triton.next_power_of_2 are jit / constexpr functions in recent
@@ -212,7 +213,7 @@ class Interpreted:
 
     def _keep(self, key, points, n_points):
         """Keep the launch's traces: one for every point, one per point, or REFUSED (with the reason)."""
-        if len(self.traces) >= MAX_KEYS:
+        if len(self.traces) >= MAX_TRACES:
             self.traces.clear()
         refused = next((r.refused for r in points if r.refused is not None), None)
         if refused is None and points[0].per_point and n_points > triton_replay.MAX_POINTS:
