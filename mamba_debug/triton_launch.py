@@ -22,8 +22,8 @@ Under the interpreter (`Interpreted`), a launch with CPU tensors only runs the k
 (`inspect.getfullargspec`, `getcallargs`), each tensor's storage "copied to the host" (an alias, for a CPU tensor)
 and back onto itself after the grid ran, and triton.language scanned for its builtins to patch (the patches are
 kept and set again). A launch of a 31-argument kernel that does nothing took 0.84 ms, now 0.27 ms; a decode step
-launches two kernels a layer, each a few ms (benchmarks/README.md, sixteenth session). Its first launch with an
-argument key is recorded, later ones replay the recorded operations (`triton_replay`: the same numpy operations
+launches two kernels a layer, each a few ms (benchmarks/README.md, sixteenth session). Its second launch with an
+argument key is recorded (a key launched once never pays for it), later ones replay the recorded operations (`triton_replay`: the same numpy operations
 without triton.language in between, the same bits; a kernel whose Python reads back what differs between launches
 is not recorded).
 """
@@ -122,6 +122,8 @@ class Interpreted:
         import numpy  # noqa: PLC0415
         self.np = numpy
         self.traces: dict = {}          # argument key -> triton_replay.Trace, or REFUSED
+        self.once: set = set()          # keys launched once: recorded at their second launch (recording costs
+                                        # 1.5-2x a launch; a key launched once never pays it)
         self.refused: dict = {}         # kernel name -> why its launches are not replayed
         self.replays = 0
 
@@ -145,7 +147,7 @@ class Interpreted:
                     self._replay(trace, grid3, tensors)
                     self.replays += 1
                 else:
-                    self._interpret(grid3, tensors, scalars, meta, key, record=trace is None and key is not None)
+                    self._interpret(grid3, tensors, scalars, meta, key, record=self._second(key, trace))
             except Exception as e:
                 import triton  # noqa: PLC0415
                 if triton.knobs.compilation.front_end_debugging:
@@ -158,6 +160,17 @@ class Interpreted:
                 else:
                     setattr(obj, name, value)
         return True
+
+    def _second(self, key, trace) -> bool:
+        """Whether this launch is to be recorded: the second of a key not recorded yet."""
+        if trace is not None or key is None:
+            return False
+        if key in self.once:
+            return True
+        if len(self.once) >= MAX_TRACES:
+            self.once.clear()
+        self.once.add(key)
+        return False
 
     def _interpret(self, grid3, tensors, scalars, meta, key, record: bool):
         """Walk the grid as Triton's GridExecutor does; with `record`, keep what the grid points did (`_record`)."""
@@ -213,6 +226,7 @@ class Interpreted:
 
     def _keep(self, key, points, n_points):
         """Keep the launch's traces: one for every point, one per point, or REFUSED (with the reason)."""
+        self.once.discard(key)
         if len(self.traces) >= MAX_TRACES:
             self.traces.clear()
         refused = next((r.refused for r in points if r.refused is not None), None)

@@ -5,17 +5,18 @@ broadcasting and tensor wrappers (~20 us), then one numpy operation of the inter
 the builder is asked to compute depends only on what the kernel's Python control flow saw, so for one argument
 key (constexprs, scalar argument values, tensor dtypes, grid) the sequence of builder calls is the same at every
 launch, as long as no branch, loop bound or index was read from something that differs between launches: a
-pointer, a loaded value or the program id. A `Recorder` watches the first grid point of a launch as it runs
-normally: each builder call (and each reduction or scan of the interpreter's own), its inputs as the results of
-earlier calls or as the kernel's arguments; every value Python reads back (`bool`, `int`, `range` bounds) is
-checked to depend on neither. Later launches with that key run the recorded calls in order (`Trace`): the same
-numpy operations on the same inputs, so the same bits, in a fraction of the time. Their loads and stores are numpy
-gathers and scatters over the launch's tensors (`Memory`), the same bytes as the interpreter's element-by-element
-helpers.
+pointer, a loaded value or the program id. A `Recorder` watches the first grid point of a launch (the second of
+its key) as it runs normally: each builder call (and each reduction or scan of the interpreter's own), its inputs
+as the results of earlier calls or as the kernel's arguments; every value Python reads back (`bool`, `int`,
+`range` bounds) is checked to depend on neither (on the program id alone: one trace per grid point). Later
+launches with that key run the recorded calls in order (`Trace`): the same numpy operations on the same inputs,
+so the same bits, in a fraction of the time, values fixed by the key not computed again. Their loads and stores
+are numpy gathers and scatters over the launch's tensors (`Memory`), the same bytes as the interpreter's
+element-by-element helpers.
 
-A kernel that reads a pointer, a loaded value or its program id into Python, builds a value outside the builder
-(the interpreter's `.T`), prints one, or runs past MAX_OPS operations is not recorded: it runs as before
-(`refused` says why). `MAMBA_DEBUG_REPLAY=0` turns replays off.
+A kernel that reads a pointer or a loaded value into Python, builds a value outside the builder (the
+interpreter's `.T`), prints one, or runs past MAX_OPS operations is not recorded: it runs as before (`refused`
+says why). `MAMBA_DEBUG_REPLAY=0` turns replays off.
 """
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ def _launchers(plugin):
 
 @pytest.mark.parametrize("plugin", ["triton", "triton_mamba2"])
 def test_replays_give_the_bits_of_a_full_interpretation(plugin, monkeypatch):
-    """Each op of the shipped kernels, at decode, prompt and awkward shapes, over fresh inputs each call: the first
-    call of a shape records, the others replay; every output equals the interpreter's own, bit for bit."""
+    """Each op of the shipped kernels, at decode, prompt and awkward shapes, over fresh inputs each call: the second
+    call of a shape records, the third replays; every output equals the interpreter's own, bit for bit."""
     ops = md.load_kernels(plugin)
     before = {id(x): (len(x.interpreted.traces), x.interpreted.replays) for x in _launchers(plugin)}
     for shape in SHAPES:
@@ -48,10 +48,10 @@ def test_replays_give_the_bits_of_a_full_interpretation(plugin, monkeypatch):
             got = [_call(op, fn, shape, seed) for seed in (1, 2, 3)]
             for w, g in zip(want, got):
                 assert len(w) == len(g) and all(torch.equal(a, b) for a, b in zip(w, g)), (op, shape)
-    # the second and third call of each op and shape replayed (earlier tests may have recorded the keys already)
+    # the third call of each op and shape replayed (earlier tests may have recorded the keys already)
     launchers = _launchers(plugin)
     replayed = sum(x.interpreted.replays - before.get(id(x), (0, 0))[1] for x in launchers)
-    assert replayed >= 2 * len(SHAPES) * len(ops), replayed
+    assert replayed >= len(SHAPES) * len(ops), replayed
     ran = [x for x in launchers if (len(x.interpreted.traces), x.interpreted.replays) != before.get(id(x), (0, 0))]
     assert not any(x.interpreted.refused for x in ran), {x.interpreted.fn.__name__: x.interpreted.refused for x in ran}
 
@@ -112,12 +112,12 @@ def test_what_python_reads_back_decides_how_a_kernel_is_replayed(monkeypatch):
 
     launch = Launch(loop, interpret=True)
     lean = both(loop, (1,), lambda: (torch.randn(5 * 8, generator=g), 8), (3,), {"BLOCK": 8}, launch=launch)
-    assert lean.replays == 2 and not lean.refused
-    both(loop, (1,), lambda: (torch.randn(5 * 8, generator=g), 8), (5,), {"BLOCK": 8}, calls=2, launch=launch)
-    assert lean.replays == 3 and len(lean.traces) == 2     # another loop bound: another key
+    assert lean.replays == 1 and not lean.refused          # launched, recorded, replayed
+    both(loop, (1,), lambda: (torch.randn(5 * 8, generator=g), 8), (5,), {"BLOCK": 8}, calls=3, launch=launch)
+    assert lean.replays == 2 and len(lean.traces) == 2     # another loop bound: another key
     per_point = both(first_program, (3,), lambda: (torch.randn(24, generator=g), 24), (), {"BLOCK": 8})
     trace = next(iter(per_point.traces.values()))
-    assert isinstance(trace, list) and len(trace) == 3 and per_point.replays == 2
+    assert isinstance(trace, list) and len(trace) == 3 and per_point.replays == 1
     signs = iter([1.0, -1.0, 1.0, -1.0])
     refused = both(data_branch, (1,), lambda: (torch.randn(8, generator=g).abs() * next(signs), 8), (), {"BLOCK": 8},
                    calls=4)
@@ -141,14 +141,16 @@ def test_recording_leaves_the_interpreter_as_it_was(monkeypatch):
     loop, first_program, _ = _kernels()
     before = attrs()
     launch = Launch(loop, interpret=True)
-    launch((1,), (torch.ones(16), torch.zeros(8)), (2,), {"BLOCK": 8})
+    for _ in range(2):                                      # the second launch of a key is recorded
+        launch((1,), (torch.ones(16), torch.zeros(8)), (2,), {"BLOCK": 8})
     assert attrs() == before and launch.interpreted.traces
     with pytest.raises(InterpreterError):
         Launch(first_program, interpret=True)((1,), (torch.ones(8), torch.zeros(8)), (), {"BLOCK": 6})
     assert attrs() == before
     monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "0")
     off = Launch(loop, interpret=True)
-    off((1,), (torch.ones(16), torch.zeros(8)), (2,), {"BLOCK": 8})
+    for _ in range(2):
+        off((1,), (torch.ones(16), torch.zeros(8)), (2,), {"BLOCK": 8})
     assert not off.interpreted.traces
     assert triton_replay.MAX_OPS > 1000
 
@@ -173,7 +175,7 @@ def test_replayed_loads_and_stores_touch_the_bytes_the_interpreter_does(monkeypa
     monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
     launch = Launch(gather_scatter, interpret=True)
     g = torch.Generator().manual_seed(1)
-    for n in (13, 13, 16, 13):
+    for n in (13, 13, 16, 13, 13):
         buf = torch.randn(100, generator=g)
         x = buf[5:]                                           # an offset into a larger storage, read with stride 3
         flag = torch.rand(16, generator=g) > 0.5
