@@ -29,6 +29,7 @@ is not recorded).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -136,10 +137,7 @@ class Interpreted:
         replay = isinstance(trace, (triton_replay.Trace, list))
         # a replay calls the builder only: the language patches matter to the interpreter's reductions alone
         patches = self.patches if not replay or triton_replay.needs_language(trace) else self.memo
-        saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in patches]
-        try:
-            for obj, name, value in patches:
-                setattr(obj, name, value)
+        with _set(patches):
             grid3 = (*grid, 1, 1)[:3]
             self.I.interpreter_builder.set_grid_dim(*grid3)
             try:
@@ -153,12 +151,6 @@ class Interpreted:
                 if triton.knobs.compilation.front_end_debugging:
                     raise
                 raise self.I.InterpreterError(repr(e)) from e
-        finally:
-            for obj, name, value in reversed(saved):
-                if value is _MISSING:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, value)
         return True
 
     def _second(self, key, trace) -> bool:
@@ -209,18 +201,9 @@ class Interpreted:
         """A grid point run as usual while `rec` notes its builder calls (appended to `points`); whether the next
         point is to be recorded too (not once one is refused, nor when one trace serves every point)."""
         hooks = triton_replay.install(rec, self.patches)
-        saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in hooks]
-        try:
-            for obj, name, value in hooks:
-                setattr(obj, name, value)
+        with _set(hooks):
             self.fn(**args)
             triton_replay.still_set(rec, hooks)
-        finally:
-            for obj, name, value in reversed(saved):
-                if value is _MISSING:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, value)
         points.append(rec)
         return rec.refused is None and rec.per_point
 
@@ -257,6 +240,22 @@ class Interpreted:
                     builder.set_grid_idx(x, y, z)
                     (trace[i] if isinstance(trace, list) else trace).run(mem, *handles)
                     i += 1
+
+
+@contextlib.contextmanager
+def _set(patches: list):
+    """(obj, name, value) set for the block, then each attribute put back as it was (absent: removed again)."""
+    saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 def _index(self):

@@ -210,7 +210,7 @@ class _Reduce:
     def __init__(self, op, types, tensor):
         self.op, self.types, self.tensor = op, types, tensor
         self.__name__ = type(op).__name__
-        standard = __import__("triton.language.standard", fromlist=["_"])
+        from triton.language import standard  # noqa: PLC0415 (a process that never interprets need not import it)
         self.language = not any(op.combine_fn is getattr(standard, n, None) for n in _NUMPY_COMBINES)
 
     def __call__(self, *handles):
