@@ -107,6 +107,8 @@ class Recorder:
             return
         t = max(taint, default=KEY)
         t = max(t, POINT) if program_id else t
+        if any(word in getattr(fn, "__name__", "") for word in _READS_MEMORY):
+            t = DATA                    # memory may change between launches, even at an address fixed by the key
         outs = tuple(self._new(h, t) for h in handles or ())
         self.ops.append((fn, a, k, outs, not isinstance(out, TH) and handles is not None))
 
@@ -126,6 +128,7 @@ class Recorder:
 
 
 _SKIP = frozenset({"__init__", "set_grid_idx", "set_grid_dim"})
+_READS_MEMORY = ("load", "atomic", "gather")    # builder methods whose result is read from memory
 
 
 def install(rec: Recorder, patches: list) -> list:

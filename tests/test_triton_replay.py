@@ -184,3 +184,26 @@ def test_replayed_loads_and_stores_touch_the_bytes_the_interpreter_does(monkeypa
         launch((1,), (x, flag, *outs[1]), (n, 3), {"BLOCK": 16})
         assert torch.equal(outs[0][0].nan_to_num(7.0), outs[1][0].nan_to_num(7.0)) and torch.equal(*[o[1] for o in outs])
     assert launch.interpreted.replays == 2 and not launch.interpreted.refused
+
+
+def test_a_load_at_an_address_fixed_by_the_key_is_read_again(monkeypatch):
+    """An address passed as an integer (in the key) still points at memory that changes between launches: a replay
+    loads it again, never keeps what the recording loaded."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def from_address(y_ptr, addr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        src = addr.to(tl.pointer_type(tl.float32))
+        tl.store(y_ptr + offs, tl.load(src + offs) * 2.0)
+
+    monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
+    launch = Launch(from_address, interpret=True)
+    x = torch.zeros(8)
+    for k in range(4):
+        x.copy_(torch.arange(8.0) + k)
+        y = torch.zeros(8)
+        launch((1,), (y,), (x.data_ptr(),), {"BLOCK": 8})
+        assert torch.equal(y, 2 * x), k
+    assert launch.interpreted.replays == 2
