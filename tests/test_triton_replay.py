@@ -198,9 +198,14 @@ def test_a_load_at_an_address_fixed_by_the_key_is_read_again(monkeypatch):
         src = addr.to(tl.pointer_type(tl.float32))
         tl.store(y_ptr + offs, tl.load(src + offs) * 2.0)
 
+    from triton.runtime.errors import InterpreterError
+    x = torch.zeros(8)
+    try:
+        from_address[(1,)](torch.zeros(8), x.data_ptr(), BLOCK=8)
+    except InterpreterError as e:     # Triton 3.6's interpreter: int64 -> pointer fails its own numpy view
+        pytest.skip(f"this Triton's interpreter cannot cast an integer to a pointer: {e}")
     monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
     launch = Launch(from_address, interpret=True)
-    x = torch.zeros(8)
     for k in range(4):
         x.copy_(torch.arange(8.0) + k)
         y = torch.zeros(8)
