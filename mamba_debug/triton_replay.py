@@ -103,8 +103,8 @@ class Recorder:
             if not taint:
                 return                  # a type or a policy: a constant of the calls that take it
             self.refuse(f"{getattr(fn, '__name__', fn)} hands Python a value")
-        if handles is None and not taint:
-            return
+        if handles is None and not taint and getattr(fn, "__name__", "").startswith("get_"):
+            return                      # a query answered None (a cache policy): nothing to do again
         t = max(taint, default=KEY)
         t = max(t, POINT) if program_id else t
         if any(word in getattr(fn, "__name__", "") for word in _READS_MEMORY):

@@ -212,3 +212,22 @@ def test_a_load_at_an_address_fixed_by_the_key_is_read_again(monkeypatch):
         launch((1,), (y,), (x.data_ptr(),), {"BLOCK": 8})
         assert torch.equal(y, 2 * x), k
     assert launch.interpreted.replays == 2
+
+
+def test_a_device_print_prints_at_every_launch(monkeypatch, capfd):
+    """A builder call made for its effect (tl.device_print) is replayed too: one line per launch."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def say(y_ptr, BLOCK: tl.constexpr):
+        tl.device_print("replayed message", tl.program_id(0))
+        tl.store(y_ptr + tl.arange(0, BLOCK), tl.full([BLOCK], 1.0, tl.float32))
+
+    monkeypatch.setenv("MAMBA_DEBUG_REPLAY", "1")
+    launch = Launch(say, interpret=True)
+    capfd.readouterr()
+    for _ in range(3):
+        launch((1,), (torch.zeros(4),), (), {"BLOCK": 4})
+    assert launch.interpreted.replays == 1
+    assert capfd.readouterr().out.count("replayed message") == 3
