@@ -119,7 +119,10 @@ class Interpreted:
         finally:
             scope.restore()
         self.memo = [(interpreter, "_get_np_dtype", _np_dtype_memo(interpreter))]
-        self.patches += self.memo + [(interpreter, "_patch_lang", _keeping_index(interpreter._patch_lang))]
+        # a jit helper the kernel calls (tl.zeros in Triton 3.6) patches the language again: `_index` goes back on
+        index = [p for p in self.patches if p[1] == "__index__"]
+        again = triton_replay.reapplying(interpreter._patch_lang, index)
+        self.patches += self.memo + [(interpreter, "_patch_lang", again)]
         import numpy  # noqa: PLC0415
         self.np = numpy
         self.traces: dict = {}          # argument key -> triton_replay.Trace, or REFUSED
@@ -263,18 +266,6 @@ def _index(self):
     `int(data)` of a one-element array, which numpy 2.5 refuses; Triton 3.9 squeezes it first, as here."""
     data = self.handle.data
     return int(data.reshape(-1)[0]) if data.size == 1 else int(data)
-
-
-def _keeping_index(patch_lang):
-    """The interpreter's `_patch_lang`, which a jit helper called by a kernel runs again (tl.zeros in Triton 3.6),
-    with `_index` set again after it."""
-    def _patch_lang(fn):
-        scope = patch_lang(fn)
-        for obj, name, _ in scope._changes:
-            if name == "__index__":
-                setattr(obj, name, _index)
-        return scope
-    return _patch_lang
 
 
 def _np_dtype_memo(interpreter):

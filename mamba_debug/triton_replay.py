@@ -59,9 +59,14 @@ class Recorder:
         self.tainted.append(tainted)
         return len(self.keep) - 1
 
-    def refuse(self, why: str):
+    def stop(self, why: str):
+        """Keep nothing of this grid point (the first reason stays)."""
         if self.refused is None:
             self.refused = why
+
+    def refuse(self, why: str):
+        """`stop`, and leave the call being noted (`call` catches it: nothing reaches the kernel)."""
+        self.stop(why)
         raise Refused(why)
 
     @property
@@ -117,14 +122,12 @@ class Recorder:
         if not self.on:
             return
         s = self.slot.get(id(handle))
-        try:
-            if s is None:
-                self.refuse(f"{what} of a value built outside the builder")
-            if self.tainted[s] == DATA:
-                self.refuse(f"{what} of a value that depends on a pointer or a loaded value")
+        if s is None:
+            self.stop(f"{what} of a value built outside the builder")
+        elif self.tainted[s] == DATA:
+            self.stop(f"{what} of a value that depends on a pointer or a loaded value")
+        else:
             self.per_point |= self.tainted[s] == POINT
-        except Refused:
-            pass
 
 
 _SKIP = frozenset({"__init__", "set_grid_idx", "set_grid_dim"})
@@ -156,21 +159,25 @@ def install(rec: Recorder, patches: list) -> list:
     out.append((I.TensorHandle, "__bool__", _read_hook(rec, I.TensorHandle.__bool__, "a branch", lambda h: h)))
     # a jit helper called by the kernel (tl.cumsum, a user's @triton.jit function) patches the language again,
     # tl.tensor's conversions included: the read hooks go back on after it
-    patch_lang = I._patch_lang
+    out.append((I, "_patch_lang", reapplying(I._patch_lang, reads)))
+    return out
 
+
+def reapplying(patch_lang, patches: list):
+    """The interpreter's `_patch_lang` (run again by every jit helper a kernel calls, and never undone), with
+    `patches` (obj, name, value) set again after it."""
     def _patch_lang(fn):
         scope = patch_lang(fn)
-        for obj, name, value in reads:
+        for obj, name, value in patches:
             setattr(obj, name, value)
         return scope
-    out.append((I, "_patch_lang", _patch_lang))
-    return out
+    return _patch_lang
 
 
 def still_set(rec: Recorder, hooks: list):
     """After the grid point: a hook something else replaced saw nothing after that, so the trace is not kept."""
-    if rec.refused is None and any(getattr(obj, name, None) is not value for obj, name, value in hooks):
-        rec.refused = "a hook was replaced while the kernel ran"
+    if any(getattr(obj, name, None) is not value for obj, name, value in hooks):
+        rec.stop("a hook was replaced while the kernel ran")
 
 
 def _builder_hook(rec, bound, program_id):
@@ -231,10 +238,7 @@ def _read_hook(rec, orig, what, handle_of):
 def _refuse_hook(rec, orig, what):
     def hook(self):
         if rec.on:
-            try:
-                rec.refuse(what)
-            except Refused:
-                pass
+            rec.stop(what)
         return orig(self)
     return hook
 
