@@ -235,14 +235,13 @@ def tune_rows(bw) -> list[dict]:
         scan_bytes = 4 * (3 * S * L * D + 2 * S * L * 16 + D * 16 + 2 * S * D * 16)
         default = mod.scan_plan(S, L, D, 16, device=x.device)
         plans = [dict(default, label="default")]
-        # channel block x warps x time chunks, each with and without the decays computed a token ahead (AHEAD)
-        shapes = {(5120, 1): ((32, 1, 17), (32, 1, 32), (64, 2, 16), (64, 2, 32)),
+        # channel block x warps x time chunks, four tokens in flight (research/scan_rows/ has the wider search)
+        shapes = {(5120, 1): ((32, 1, 16), (32, 1, 24), (64, 2, 12), (64, 2, 16)),
                   (5120, 8): ((32, 1, 1), (64, 2, 1), (16, 1, 1)),
                   (1536, 1): ((32, 1, 32), (16, 1, 32), (64, 2, 32))}[(D, S)]
         for bd, warps, nc in shapes:
-            for ahead in (0, 1):
-                plans.append(dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, PREFETCH=2, AHEAD=ahead,
-                                  num_warps=warps, label=f"BD{bd} w{warps} chunks{nc} prefetch2 ahead{ahead}"))
+            plans.append(dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, SLOTS=4, num_warps=warps,
+                              label=f"BD{bd} w{warps} chunks{nc} slots4"))
         for plan in plans:
             try:
                 y, st = mod.ssm_scan(h0, x, dt, A, B, C, plan=plan)

@@ -62,14 +62,14 @@ def goals() -> list:
             r = row("ssm_scan", "prefill", b)
             if r:
                 out.append((f"4 prefill scan / its floor, batch {b}", r["time_us"] / r["floor_us"], g, "x floor",
-                            h["meta"]["date"]))
+                            r.get("date", h["meta"]["date"])))
         r = row("ssm_conv", "prefill", 1)
         if r:
-            out.append(("4 prefill conv, batch 1", r["time_us"], 27.1, "us", h["meta"]["date"]))
+            out.append(("4 prefill conv, batch 1", r["time_us"], 27.1, "us", r.get("date", h["meta"]["date"])))
         r = row("ssm_scan", "decode", 64)
         if r and r.get("reference_us"):
             out.append(("4 decode scan / selective_state_update, b 64", r["time_us"] / r["reference_us"], 1, "x",
-                        h["meta"]["date"]))
+                        r.get("date", h["meta"]["date"])))
         direct = [r for r in h["rows"] if r["impl"] == "triton, direct Python call: kernels/triton.py"
                   and r["op"] == "ssm_scan" and r["batch"] == 1]
         for r in direct:

@@ -86,7 +86,7 @@ def _body(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, new_state_ptr, e
     B_ptrs = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n + t * stride_B_t
     C_ptrs = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n + t * stride_C_t
     y_ptrs = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d + t * stride_y_t
-    # prefetch two tokens ahead, as kernels/triton.py's PREFETCH=2
+    # prefetch two tokens ahead, as kernels/triton.py's PREFETCH=2 did until 2026-12-02 (research/scan_rows/)
     m0 = tl.where(0 < n_tok, mask_d, False)
     n0 = tl.where(0 < n_tok, mask_n, False)
     x0 = tl.load(x_ptrs, mask=m0, other=0.0)

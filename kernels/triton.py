@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, cdiv as _cdiv, helper_jit, next_pow2 as _pow2, sm_count
+from mamba_debug.triton_launch import (Launch, cdiv as _cdiv, check as _check, check_device, helper_jit,
+                                       next_pow2 as _pow2, sm_count)
 from mamba_debug.triton_env import exec_file
 
 NAME = "triton"
@@ -57,6 +58,7 @@ _device_function = helper_jit(INTERPRET)     # the helpers below: plain function
 # softplus every schedule shares, so that they compute each element alike.
 _schedules = exec_file(Path(__file__).with_name("_triton_interpret.py"), f"{__name__}_interpret_schedules")
 _softplus, LOG2E = _schedules._softplus, _schedules.LOG2E
+NEG_INF = tl.constexpr(float("-inf"))
 
 # %%
 # Compute kernels
@@ -131,16 +133,55 @@ def _ssm_conv_kernel(
 
 
 @_device_function
-def _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, ok, mask_d, mask_n):
-    """x, dt [BLOCK_D] and B, C [BLOCK_N] of the token the pointers point at, as fp32 (all 0 unless ok)."""
-    # tl.where, not `mask & ok`: the interpreter types block & scalar as int32
+def _col(v, TILES: tl.constexpr):
+    """A per-channel value as a [BLOCK_D, 1] column (TILES: it is one already)."""
+    return v if TILES else v[:, None]
+
+
+@_device_function
+def _row(v, TILES: tl.constexpr):
+    """A per-state value as a [1, BLOCK_N] row (TILES: it is one already)."""
+    return v if TILES else v[None, :]
+
+
+@_device_function
+def _tile(p, sn, m, N, BLOCK_N: tl.constexpr):
+    """[BLOCK_D, BLOCK_N] fp32 of p + n * sn (p, m: [BLOCK_D, 1] row starts and mask), 0 past N."""
+    offs_n = tl.arange(0, BLOCK_N)[None, :]
+    return tl.load(p + offs_n * sn, mask=m & (offs_n < N), other=0.0).to(tl.float32)
+
+
+@_device_function
+def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, stride_C_t, mask_d, mask_n):
+    """Token j of the chunk as fp32: x, dt per channel, B, C per state. Past the chunk dt is -inf, so delta is
+    exactly 0 (decay 1, input 0): a step on it leaves h as it was, bit for bit, with no branch."""
+    ok = j < n_tok      # tl.where, not `mask & ok`: the interpreter types block & scalar as int32
     mask_d = tl.where(ok, mask_d, False)
     mask_n = tl.where(ok, mask_n, False)
-    x = tl.load(x_ptrs, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptrs, mask=mask_d, other=0.0).to(tl.float32)
-    B = tl.load(B_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-    C = tl.load(C_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    x = tl.load(x_p + j * stride_x_t, mask=mask_d, other=0.0).to(tl.float32)
+    dt = tl.load(dt_p + j * stride_dt_t, mask=mask_d, other=NEG_INF).to(tl.float32)
+    B = tl.load(B_p + j * stride_B_t, mask=mask_n, other=0.0).to(tl.float32)
+    C = tl.load(C_p + j * stride_C_t, mask=mask_n, other=0.0).to(tl.float32)
     return x, dt, B, C
+
+
+@_device_function
+def _step(h, decay, A, x, dt, B, C, y_p, so_p, j, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
+          SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, TILES: tl.constexpr):
+    """One token: h = exp(delta*A)*h + B*(delta*x), as llama.cpp's ssm_scan (x*delta first; A holds A*log2 e);
+    then y (or, in pass 1, the decay product) and h into states_out."""
+    delta = _softplus(dt)
+    decay_t = tl.exp2(_col(delta, TILES) * A)
+    h = decay_t * h + _row(B, TILES) * _col(delta * x, TILES)
+    if SUMMARY:
+        decay = decay * decay_t
+    else:
+        ok = j < n_tok
+        y = tl.reduce(h * _row(C, TILES), 1, tl.standard._sum_combine, keep_dims=TILES)   # tl.sum, see top
+        tl.store(y_p + j * stride_y_t, y.to(y_p.dtype.element_ty), mask=tl.where(ok, mask_d, False))
+        if HAS_STATES_OUT:
+            tl.store(so_p + j * stride_so_t, h.to(so_p.dtype.element_ty), mask=tl.where(ok, mask_dn, False))
+    return h, decay
 
 
 @triton.jit
@@ -164,7 +205,8 @@ def _ssm_scan_kernel(
     stride_so_s, stride_so_t, stride_so_d, stride_so_n,
     # meta-parameters
     SUMMARY: tl.constexpr,          # pass 1 of a chunked scan: write the chunk summaries, no y
-    PREFETCH: tl.constexpr,         # 0..2: tokens loaded ahead of the one computed (GPU; 0 under the interpreter)
+    SLOTS: tl.constexpr,            # 1 or 4 tokens in flight (loaded SLOTS tokens before their step)
+    TILES: tl.constexpr,            # per-channel and per-state values as [BLOCK_D, 1] and [1, BLOCK_N] tiles
     CHUNKED: tl.constexpr,          # N_CHUNKS > 1
     HAS_STATES_OUT: tl.constexpr,   # write every h_t into states_out
     BLOCK_D: tl.constexpr,          # channels per program
@@ -182,111 +224,80 @@ def _ssm_scan_kernel(
     pid_s = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1).to(tl.int64)
     pid_c = tl.program_id(2)
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64) + pid_d * BLOCK_D   # 64-bit: see _ssm_conv_kernel
+    # TILES: per-channel values as [BLOCK_D, 1] tiles, per-state ones as [1, BLOCK_N]: Triton lays them out as the
+    # state's rows and columns, with no exchange between lanes at each step (batch 8 on an H200: 844 us, 976 over
+    # 1-D blocks), but converts the state tile in and out: not worth it for one token (batch 64: 13.6 us, 11.4).
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64) + pid_d * BLOCK_D    # 64-bit: see _ssm_conv_kernel
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    if TILES:
+        offs_d = offs_d[:, None]
+        offs_n = offs_n[None, :]
     mask_d = offs_d < D
     mask_n = offs_n < N
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    A = tl.load(A_ptr + offs_d[:, None] * stride_A_d + offs_n[None, :] * stride_A_n,
-                mask=mask_dn, other=0.0).to(tl.float32) * LOG2E      # exp(delta*A) = exp2(delta*(A*log2 e))
+    rows, mask_rows = _col(offs_d, TILES), _col(mask_d, TILES)
+    mask_dn = mask_rows & _row(mask_n, TILES)
+    A = _tile(A_ptr + rows * stride_A_d, stride_A_n, mask_rows, N, BLOCK_N) * LOG2E
+    decay = A * 0.0 + 1.0
     if CHUNKED:
-        summary_offs = (pid_s * N_CHUNKS) * D * N + offs_d[:, None] * N + offs_n[None, :]
+        summary_rows = (pid_s * N_CHUNKS) * D * N + rows * N
     if SUMMARY:
-        h = tl.full([BLOCK_D, BLOCK_N], 0.0, tl.float32)
-        decay = tl.full([BLOCK_D, BLOCK_N], 1.0, dtype=tl.float32)
+        h = A * 0.0
     else:
-        h = tl.load(state_ptr + pid_s * stride_state_s
-                    + offs_d[:, None] * stride_state_d + offs_n[None, :] * stride_state_n,
-                    mask=mask_dn, other=0.0).to(tl.float32)
+        h = _tile(state_ptr + pid_s * stride_state_s + rows * stride_state_d, stride_state_n, mask_rows, N, BLOCK_N)
         if CHUNKED:
             c = 0
             while c < pid_c:            # carry the state over the chunks before this one
-                h = (tl.load(decay_ptr + summary_offs + c * D * N, mask=mask_dn, other=0.0) * h
-                     + tl.load(end_ptr + summary_offs + c * D * N, mask=mask_dn, other=0.0))
+                h = (_tile(decay_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N) * h
+                     + _tile(end_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N))
                 c += 1
 
-    # Per-token pointers; they advance by one token stride per step (pointer arithmetic is 64-bit, so even
-    # t * stride never overflows).
-    x_ptrs = x_ptr + pid_s * stride_x_s + offs_d * stride_x_d
-    dt_ptrs = dt_ptr + pid_s * stride_dt_s + offs_d * stride_dt_d
-    B_ptrs = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n
-    C_ptrs = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n
-    y_ptrs = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d
-    if HAS_STATES_OUT:
-        so_ptrs = states_out_ptr + pid_s * stride_so_s + offs_d[:, None] * stride_so_d + offs_n[None, :] * stride_so_n
+    t = 0                       # this program's tokens: [t, t + n_tok)
     n_tok = T
-    if CHUNKED:                 # this program's tokens: [t, t + n_tok)
+    if CHUNKED:
         t = pid_c * CHUNK_T
         n_tok = tl.minimum(T - t, CHUNK_T)
-        x_ptrs += t * stride_x_t
-        dt_ptrs += t * stride_dt_t
-        B_ptrs += t * stride_B_t
-        C_ptrs += t * stride_C_t
-        y_ptrs += t * stride_y_t
-        if HAS_STATES_OUT:
-            so_ptrs += t * stride_so_t
-
-    # With PREFETCH = P > 0 the loads of token i + P are issued before the math of token i, so they overlap it
-    # (slots 0..P-1 hold the tokens in flight; on an H200, P = 2 is up to 5% faster than P = 1 on long prompts:
-    # the step loop is bound by its instructions, not by memory). Under the interpreter (P = 0) the loads are
-    # plain. It is a `while` loop: Triton 3.6's interpreter cannot take a runtime int as a range() bound under
-    # numpy >= 2.5.
-    if PREFETCH >= 1:
-        x0, dt0, B0, C0 = _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, 0 < n_tok, mask_d, mask_n)
-    if PREFETCH >= 2:
-        x1, dt1, B1, C1 = _load_token(x_ptrs + stride_x_t, dt_ptrs + stride_dt_t, B_ptrs + stride_B_t,
-                                      C_ptrs + stride_C_t, 1 < n_tok, mask_d, mask_n)
-    if PREFETCH >= 1:           # from here on the input pointers point PREFETCH tokens ahead
-        x_ptrs += PREFETCH * stride_x_t
-        dt_ptrs += PREFETCH * stride_dt_t
-        B_ptrs += PREFETCH * stride_B_t
-        C_ptrs += PREFETCH * stride_C_t
+    x_p = x_ptr + pid_s * stride_x_s + offs_d * stride_x_d + t * stride_x_t
+    dt_p = dt_ptr + pid_s * stride_dt_s + offs_d * stride_dt_d + t * stride_dt_t
+    B_p = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n + t * stride_B_t
+    C_p = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n + t * stride_C_t
+    y_p = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d + t * stride_y_t
+    out = (y_p, states_out_ptr + pid_s * stride_so_s + rows * stride_so_d + _row(offs_n, TILES) * stride_so_n
+           + t * stride_so_t)    # where y and states_out get token 0
+    strides_t = (stride_x_t, stride_dt_t, stride_B_t, stride_C_t)
+    # SLOTS tokens in flight: the loop is unrolled SLOTS times, each slot read SLOTS steps after its load (a rotation
+    # x0, x1 = x1, x_next waits on each load a step after issuing it: 1.1-1.5k clocks a step on an H200). `while`:
+    # Triton 3.6's interpreter cannot take a runtime int as a range() bound under numpy >= 2.5.
+    x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, 0, n_tok, *strides_t, mask_d, mask_n)
+    if SLOTS == 4:
+        x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, 1, n_tok, *strides_t, mask_d, mask_n)
+        x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, 2, n_tok, *strides_t, mask_d, mask_n)
+        x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, 3, n_tok, *strides_t, mask_d, mask_n)
     i = 0
     while i < n_tok:
-        if PREFETCH == 0:
-            x_t = tl.load(x_ptrs, mask=mask_d, other=0.0).to(tl.float32)
-            dt_t = tl.load(dt_ptrs, mask=mask_d, other=0.0).to(tl.float32)
-            B_t = tl.load(B_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-            C_t = tl.load(C_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-        else:
-            x_t, dt_t, B_t, C_t = x0, dt0, B0, C0
-            x_n, dt_n, B_n, C_n = _load_token(x_ptrs, dt_ptrs, B_ptrs, C_ptrs, i + PREFETCH < n_tok, mask_d, mask_n)
-            if PREFETCH == 1:
-                x0, dt0, B0, C0 = x_n, dt_n, B_n, C_n
-            else:
-                x0, dt0, B0, C0 = x1, dt1, B1, C1
-                x1, dt1, B1, C1 = x_n, dt_n, B_n, C_n
-        x_ptrs += stride_x_t
-        dt_ptrs += stride_dt_t
-        B_ptrs += stride_B_t
-        C_ptrs += stride_C_t
-
-        # h = exp(delta*A)*h + B*(delta*x), as llama.cpp's ssm_scan (x*delta first); exp2 with A*log2 e taken once
-        delta = _softplus(dt_t)
-        decay_t = tl.exp2(delta[:, None] * A)
-        input_t = B_t[None, :] * (delta * x_t)[:, None]
-        h = decay_t * h + input_t
-        if SUMMARY:
-            decay = decay * decay_t
-        else:
-            y_t = tl.reduce(h * C_t[None, :], 1, tl.standard._sum_combine)   # tl.sum(.., axis=1), see top
-            tl.store(y_ptrs, y_t.to(y_ptr.dtype.element_ty), mask=mask_d)
-            y_ptrs += stride_y_t
-            if HAS_STATES_OUT:
-                tl.store(so_ptrs, h.to(states_out_ptr.dtype.element_ty), mask=mask_dn)
-                so_ptrs += stride_so_t
-
-        i += 1
+        h, decay = _step(h, decay, A, x0, dt0, B0, C0, *out, i, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
+                         SUMMARY, HAS_STATES_OUT, TILES)
+        x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, i + SLOTS, n_tok, *strides_t, mask_d, mask_n)
+        if SLOTS == 4:
+            h, decay = _step(h, decay, A, x1, dt1, B1, C1, *out, i + 1, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
+            x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + 5, n_tok, *strides_t, mask_d, mask_n)
+            h, decay = _step(h, decay, A, x2, dt2, B2, C2, *out, i + 2, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
+            x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + 6, n_tok, *strides_t, mask_d, mask_n)
+            h, decay = _step(h, decay, A, x3, dt3, B3, C3, *out, i + 3, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
+            x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + 7, n_tok, *strides_t, mask_d, mask_n)
+        i += SLOTS
 
     if SUMMARY:
-        tl.store(end_ptr + summary_offs + pid_c * D * N, h, mask=mask_dn)
-        tl.store(decay_ptr + summary_offs + pid_c * D * N, decay, mask=mask_dn)
+        summary = (pid_s * N_CHUNKS + pid_c) * D * N + rows * N + _row(offs_n, TILES)
+        tl.store(end_ptr + summary, h, mask=mask_dn)
+        tl.store(decay_ptr + summary, decay, mask=mask_dn)
     else:
         store_mask = mask_dn
         if CHUNKED:             # the new state is the last chunk's final state
             store_mask = tl.where(pid_c == N_CHUNKS - 1, mask_dn, False)
-        tl.store(new_state_ptr + pid_s * stride_new_s
-                 + offs_d[:, None] * stride_new_d + offs_n[None, :] * stride_new_n,
+        tl.store(new_state_ptr + pid_s * stride_new_s + rows * stride_new_d + _row(offs_n, TILES) * stride_new_n,
                  h.to(new_state_ptr.dtype.element_ty), mask=store_mask)
 
 
@@ -341,20 +352,20 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
         return dict(schedule="tiled", BLOCK_D=min(_pow2(D), 1024), n_chunks=1, TILE_T=min(_pow2(T), TILE_T_MAX),
                     num_warps=1)
     sms = sm_count(device)
-    if T < 2 * MIN_CHUNK_T:
-        # decode and short ubatches: one pass; the largest channel block that still gives about two programs per
-        # SM (1.8 us per decode step at batch 1, 11.5 us at batch 64)
+    if T < 4:
+        # decode: the largest channel block that still gives about two programs per SM (1.7 us per decode step at
+        # batch 1, 11.4 us at batch 64 on an H200)
         block_d = next((b for b in (64, 32) if S * _cdiv(D, b) >= 2 * sms), 16)
-        return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, PREFETCH=1,
+        return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, SLOTS=1, TILES=False,
                     num_warps=max(1, min(8, block_d * block_n // 512)))
-    # Long prompts (benchmarks/results/h200_tuning_run{2,3,4}.json, now in git history: 60-80 plans per shape on an
-    # H200): 64-channel programs of two warps, two tokens loaded ahead. Many sequences fill the GPU on their own
-    # (1103 us at d_inner 5120, L 2048, batch 8); a few also cut time into chunks, at most 10 programs (20 warps)
-    # per SM in all, so that they run in one wave: at d_inner 5120, L 2048, batch 1, 16 chunks took 187 us and 17
-    # (one program too many per SM for some) 227 us; about 970 us in one pass. 85 us at d_inner 1536 (32 chunks).
-    programs = S * _cdiv(D, 64)
-    n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 10 * sms // programs))
-    return dict(schedule="steps", BLOCK_D=64, n_chunks=n_chunks, PREFETCH=2, num_warps=2)
+    # Prompts (research/scan_rows/: plans timed on an H200 on 2026-12-02): one-warp programs of 32 channels, four
+    # tokens in flight. Short ubatches, and many sequences (which fill the GPU on their own), run in one pass; a long
+    # prompt of a few sequences is also cut into chunks, up to 24 programs per SM (two waves at most: a chunk's walk
+    # is long, the wave's tail short). At d_inner 5120: L 2048 batch 8 in one pass 845 us (1102 before); batch 1,
+    # 19 chunks 177 us (188); L 8192 650 us (722). d_inner 1536, L 2048, 32 chunks 65 us (86).
+    programs = S * _cdiv(D, 32)
+    n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 24 * sms // programs))
+    return dict(schedule="steps", BLOCK_D=32, n_chunks=n_chunks, SLOTS=4, TILES=True, num_warps=1)
 
 
 # %%
@@ -371,20 +382,8 @@ def _empty(shape, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def _check(op: str, ok: bool, what: str, **tensors):
-    if not ok:
-        shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in tensors.items())
-        raise ValueError(f"{op}: {what} (got {shapes})")
-
-
 def _check_device(op: str, **tensors):
-    """No silent fallback: interpreted kernels take CPU tensors, compiled kernels take CUDA tensors."""
-    want = "cpu" if INTERPRET else "cuda"
-    for k, v in tensors.items():
-        if v.device.type != want:
-            mode = "Triton's interpreter (TRITON_INTERPRET=1)" if INTERPRET else "a CUDA GPU"
-            raise ValueError(f"{op}: this copy of the triton kernels was loaded for {mode} and takes {want} "
-                             f"tensors, but {k} is on {v.device}; load the plug-in for the matching device")
+    check_device(op, INTERPRET, **tensors)
 
 
 def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, config: dict | None = None):
@@ -483,7 +482,8 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
     summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=new_state.device) if n_chunks > 1
                  else new_state.new_empty((2, 1)))
     args = ((*tensors, summaries[0], summaries[1]), (T, D, N, chunk_t, n_chunks, *strides))
-    meta = dict(meta, PREFETCH=int(plan.get("PREFETCH", 1)), CHUNKED=n_chunks > 1, SUMMARY=True)
+    meta = dict(meta, SLOTS=int(plan.get("SLOTS", 1)), TILES=bool(plan.get("TILES", True)), CHUNKED=n_chunks > 1,
+                SUMMARY=True)
     n_blocks = _cdiv(D, plan["BLOCK_D"])
     if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0
         _launch_scan((S, n_blocks, n_chunks - 1), *args, meta)

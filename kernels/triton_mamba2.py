@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, helper_jit, next_pow2
+from mamba_debug.triton_launch import Launch, check as _check, check_device, helper_jit, next_pow2
 
 NAME = "triton_mamba2"
 DESCRIPTION = "Triton ssd_scan (chunked SSD prefill, recurrent decode) and grouped gated RMSNorm for Mamba-2"
@@ -141,17 +141,8 @@ def _gated_norm_kernel(
     tl.store(y_ptr + s * y_s + t * y_t + offs * y_d, v * inv * wv, mask=m)
 
 
-def _check(op, ok, what, **tensors):
-    if not ok:
-        raise ValueError(f"{op}: {what} (got " + ", ".join(f"{k}={list(v.shape)}" for k, v in tensors.items()) + ")")
-
-
 def _check_device(op, **tensors):
-    want = "cpu" if INTERPRET else "cuda"
-    for k, v in tensors.items():
-        if v.device.type != want:
-            raise ValueError(f"{op}: this copy of the kernels was loaded for {'the interpreter' if INTERPRET else 'a GPU'}"
-                             f" and takes {want} tensors, but {k} is on {v.device}")
+    check_device(op, INTERPRET, **tensors)
 
 
 # Triton's per-call host work (argument binding, its specialization key) done once per argument key

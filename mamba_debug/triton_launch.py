@@ -53,6 +53,23 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def check(op: str, ok: bool, what: str, **tensors):
+    """A plug-in op's argument check: unless ok, a ValueError naming the op, the rule and the shapes it got."""
+    if not ok:
+        shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in tensors.items())
+        raise ValueError(f"{op}: {what} (got {shapes})")
+
+
+def check_device(op: str, interpret: bool, **tensors):
+    """No silent fallback: interpreted kernels take CPU tensors, compiled kernels take CUDA tensors."""
+    want = "cpu" if interpret else "cuda"
+    for k, v in tensors.items():
+        if v.device.type != want:
+            mode = "Triton's interpreter (TRITON_INTERPRET=1)" if interpret else "a CUDA GPU"
+            raise ValueError(f"{op}: this copy of the triton kernels was loaded for {mode} and takes {want} "
+                             f"tensors, but {k} is on {v.device}; load the plug-in for the matching device")
+
+
 def sm_count(device=None) -> int:
     """Streaming multiprocessors of a CUDA device (a torch.device; index None or no device: the current one)."""
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()

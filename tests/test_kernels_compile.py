@@ -35,7 +35,7 @@ k1, k2 = (load_plugin(name, device="cuda").module for name in ("triton", "triton
 m = _fused_module(False)
 build(k1._ssm_conv_kernel, dict(K=4, BLOCK_KM1=4, BLOCK_K=4, BLOCK_T=32, BLOCK_D=64))
 for chunked, summary in ((True, True), (True, False), (False, False)):
-    build(k1._ssm_scan_kernel, dict(SUMMARY=summary, PREFETCH=2 if chunked else 1, CHUNKED=chunked,
+    build(k1._ssm_scan_kernel, dict(SUMMARY=summary, SLOTS=4 if chunked else 1, TILES=chunked, CHUNKED=chunked,
                                     HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16), warps=2)
 interp = k1._schedules      # the interpreter's schedules: no GPU plan runs them, but they stay valid Triton
 for even in (False, True):      # masks where the blocks overhang; none, one sequence, shared offsets, where not

@@ -191,15 +191,16 @@ def check_scan(inp, y, h, states):
 
 
 # Every way kernels/triton.py can run a scan (`scan_plan` picks one by device and size): the GPU's step schedule
-# with and without the next-token prefetch, chunked over time (pass 1 summaries + carry), and the interpreter's
-# tiled schedule with tiles shorter and longer than the chunk of tokens left. Each runs wherever the test runs.
+# with one or four tokens in flight (a chunk's length not a multiple of four), per-channel values as 1-D blocks or
+# [BLOCK_D, 1] tiles, chunked over time (pass 1 summaries + carry), and the interpreter's tiled schedule with tiles
+# shorter and longer than the chunk of tokens left. Each runs wherever the test runs.
 SCAN_PLANS = {
-    "steps": dict(schedule="steps", BLOCK_D=16, n_chunks=1, PREFETCH=0, num_warps=1),
-    "steps-prefetch-1": dict(schedule="steps", BLOCK_D=32, n_chunks=1, PREFETCH=1, num_warps=1),
-    "steps-prefetch-2": dict(schedule="steps", BLOCK_D=32, n_chunks=1, PREFETCH=2, num_warps=2),
-    "chunked-3-prefetch-2": dict(schedule="steps", BLOCK_D=16, n_chunks=3, PREFETCH=2, num_warps=1),
-    "chunked-5": dict(schedule="steps", BLOCK_D=64, n_chunks=5, PREFETCH=0, num_warps=2),
-    "chunked-19-prefetch-2": dict(schedule="steps", BLOCK_D=64, n_chunks=19, PREFETCH=2, num_warps=2),
+    "steps": dict(schedule="steps", BLOCK_D=16, n_chunks=1, SLOTS=1, TILES=False, num_warps=1),
+    "steps-slots-4": dict(schedule="steps", BLOCK_D=32, n_chunks=1, SLOTS=4, num_warps=2),
+    "chunked-3-slots-4": dict(schedule="steps", BLOCK_D=16, n_chunks=3, SLOTS=4, num_warps=1),
+    "chunked-5": dict(schedule="steps", BLOCK_D=64, n_chunks=5, SLOTS=1, TILES=False, num_warps=2),
+    "chunked-2-slots-1-tiles": dict(schedule="steps", BLOCK_D=32, n_chunks=2, SLOTS=1, num_warps=1),
+    "chunked-19-slots-4": dict(schedule="steps", BLOCK_D=64, n_chunks=19, SLOTS=4, num_warps=2),
     "tiled-4": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=4, num_warps=1),
     "tiled-16": dict(schedule="tiled", BLOCK_D=16, n_chunks=1, TILE_T=16, num_warps=1),
     "tiled-64": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=64, num_warps=1),    # one tile, 27 rows past T

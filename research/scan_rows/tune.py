@@ -1,0 +1,66 @@
+"""H200: kernels/triton.py's ssm_scan under forced plans (block, warps, chunks, slots, tiles) and its default plan;
+each checked against float64. Prints a table last; writes tune.json to $OUT."""
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+from h200 import bench_cold, scan_inputs, exp_rate, copy_bandwidth  # noqa: E402
+from mamba_debug import ops  # noqa: E402
+from mamba_debug.plugins import load_plugin  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "/tmp"))
+mod = load_plugin("triton", device="cuda").module
+bw, er = copy_bandwidth(), exp_rate()
+rows = []
+
+
+def plan(bd, w, nc, slots=4, tiles=True):
+    return dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, SLOTS=slots, TILES=tiles, num_warps=w)
+
+
+def run(S, L, D, plans, states=False):
+    h0, x, dt, A, B, C = scan_inputs(S, L, D)
+    ref = ops.ssm_scan(*(t.double() for t in (h0, x, dt, A, B, C)))
+    floor = max(4 * (3 * S * L * D + 2 * S * L * 16 + D * 16 + 2 * S * D * 16) / bw, S * L * D * 16 / er) * 1e6
+    so = torch.empty(S, L, D, 16, device="cuda") if states else None
+    for name, p in [("default " + json.dumps(mod.scan_plan(S, L, D, 16, device=x.device)), None)] + plans:
+        name = name if isinstance(name, str) else str(name)
+        try:
+            fn = lambda: mod.ssm_scan(h0, x, dt, A, B, C, states_out=so, plan=p)  # noqa: E731
+            y, h = fn()
+            e = max(float(((a.double() - r) ** 2).sum() / (r ** 2).sum()) for a, r in zip((y, h), ref))
+            us = do_bench_cudagraph(fn) * 1e3 if L == 1 else bench_cold(fn)
+            rows.append(dict(S=S, L=L, D=D, states=states, plan=name, us=round(us, 2), x_floor=round(us / floor, 2),
+                             nmse=e))
+        except Exception as ex:  # noqa: BLE001
+            rows.append(dict(S=S, L=L, D=D, states=states, plan=name, error=repr(ex)[:300]))
+        print(rows[-1], flush=True)
+    (OUT / "tune.json").write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=1))
+
+
+def P(bd, w, nc, slots=4, tiles=True):
+    return (f"bd{bd} w{w} c{nc} s{slots}{'' if tiles else ' 1-D'}", plan(bd, w, nc, slots, tiles))
+
+
+run(1, 2048, 5120, [P(32, 1, c) for c in (10, 11, 12, 14, 16, 20)] + [P(64, 2, c) for c in (12, 16)])
+run(8, 2048, 5120, [P(32, 1, 1), P(64, 2, 1), P(32, 1, 1, 4, False)])
+run(1, 2048, 1536, [P(32, 1, c) for c in (24, 32, 38)])
+run(1, 8192, 5120, [P(32, 1, c) for c in (11, 16, 24, 32)])
+run(1, 512, 5120, [P(32, 1, c) for c in (6, 8)])
+run(1, 2048, 5120, [], states=True)
+run(1, 1, 5120, [P(64, 1, 1, 1, False)])
+run(64, 1, 5120, [P(32, 1, 1, 1, False), P(64, 2, 1, 1, False)])
+run(1, 64, 5120, [P(32, 1, 1, 4)])
+run(8, 100, 5120, [P(32, 1, 1, 4)])
+print("\n| S | L | D | states | plan | us | x floor | nmse |")
+for r in rows:
+    print(f"| {r['S']} | {r['L']} | {r['D']} | {r['states']} | {r['plan'][:90]} | {r.get('us')} | {r.get('x_floor')} | "
+          f"{r.get('nmse', r.get('error'))} |")
