@@ -166,22 +166,22 @@ def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, s
 
 
 @_device_function
-def _step(h, decay, A, x, dt, B, C, y_p, so_p, j, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
+def _step(h, dsum, A, x, dt, B, C, y_p, so_p, j, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
           SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, TILES: tl.constexpr):
     """One token: h = exp(delta*A)*h + B*(delta*x), as llama.cpp's ssm_scan (x*delta first; A holds A*log2 e);
-    then y (or, in pass 1, the decay product) and h into states_out."""
+    then y (or, in pass 1, the sum of the deltas) and h into states_out."""
     delta = _softplus(dt)
     decay_t = tl.exp2(_col(delta, TILES) * A)
     h = decay_t * h + _row(B, TILES) * _col(delta * x, TILES)
     if SUMMARY:
-        decay = decay * decay_t
+        dsum = dsum + delta       # the chunk's decay product is exp(A * sum delta): one exp, at its end
     else:
         ok = j < n_tok
         y = tl.reduce(h * _row(C, TILES), 1, tl.standard._sum_combine, keep_dims=TILES)   # tl.sum, see top
         tl.store(y_p + j * stride_y_t, y.to(y_p.dtype.element_ty), mask=tl.where(ok, mask_d, False))
         if HAS_STATES_OUT:
             tl.store(so_p + j * stride_so_t, h.to(so_p.dtype.element_ty), mask=tl.where(ok, mask_dn, False))
-    return h, decay
+    return h, dsum
 
 
 @triton.jit
@@ -191,7 +191,7 @@ def _ssm_scan_kernel(
     y_ptr, new_state_ptr,       # y [S, T, D], new ssm state [S, D, N]
     states_out_ptr,     # every h_t [S, T, D, N]; not touched unless HAS_STATES_OUT
     end_ptr,            # chunk summaries [S, N_CHUNKS, D, N], fp32 contiguous: the chunk's final state from h = 0
-    decay_ptr,          # ... and the product of its decays exp(delta*A); unused when N_CHUNKS == 1
+    decay_ptr,          # ... and the product of its decays, exp(A * sum of delta); unused when N_CHUNKS == 1
     T, D, N, CHUNK_T, N_CHUNKS,     # sizes
     # strides, in elements
     stride_state_s, stride_state_d, stride_state_n,
@@ -237,7 +237,7 @@ def _ssm_scan_kernel(
     rows, mask_rows = _col(offs_d, TILES), _col(mask_d, TILES)
     mask_dn = mask_rows & _row(mask_n, TILES)
     A = _tile(A_ptr + rows * stride_A_d, stride_A_n, mask_rows, N, BLOCK_N) * LOG2E
-    decay = A * 0.0 + 1.0
+    dsum = offs_d.to(tl.float32) * 0.0      # pass 1: each channel's sum of delta
     if CHUNKED:
         summary_rows = (pid_s * N_CHUNKS) * D * N + rows * N
     if SUMMARY:
@@ -274,17 +274,17 @@ def _ssm_scan_kernel(
         x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, 3, n_tok, *strides_t, mask_d, mask_n)
     i = 0
     while i < n_tok:
-        h, decay = _step(h, decay, A, x0, dt0, B0, C0, *out, i, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
+        h, dsum = _step(h, dsum, A, x0, dt0, B0, C0, *out, i, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
                          SUMMARY, HAS_STATES_OUT, TILES)
         x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, i + SLOTS, n_tok, *strides_t, mask_d, mask_n)
         if SLOTS == 4:
-            h, decay = _step(h, decay, A, x1, dt1, B1, C1, *out, i + 1, n_tok, stride_y_t, stride_so_t, mask_d,
+            h, dsum = _step(h, dsum, A, x1, dt1, B1, C1, *out, i + 1, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
             x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + 5, n_tok, *strides_t, mask_d, mask_n)
-            h, decay = _step(h, decay, A, x2, dt2, B2, C2, *out, i + 2, n_tok, stride_y_t, stride_so_t, mask_d,
+            h, dsum = _step(h, dsum, A, x2, dt2, B2, C2, *out, i + 2, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
             x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + 6, n_tok, *strides_t, mask_d, mask_n)
-            h, decay = _step(h, decay, A, x3, dt3, B3, C3, *out, i + 3, n_tok, stride_y_t, stride_so_t, mask_d,
+            h, dsum = _step(h, dsum, A, x3, dt3, B3, C3, *out, i + 3, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
             x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + 7, n_tok, *strides_t, mask_d, mask_n)
         i += SLOTS
@@ -292,7 +292,7 @@ def _ssm_scan_kernel(
     if SUMMARY:
         summary = (pid_s * N_CHUNKS + pid_c) * D * N + rows * N + _row(offs_n, TILES)
         tl.store(end_ptr + summary, h, mask=mask_dn)
-        tl.store(decay_ptr + summary, decay, mask=mask_dn)
+        tl.store(decay_ptr + summary, tl.exp2(_col(dsum, TILES) * A), mask=mask_dn)
     else:
         store_mask = mask_dn
         if CHUNKED:             # the new state is the last chunk's final state
@@ -360,11 +360,11 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
                     num_warps=max(1, min(8, block_d * block_n // 512)))
     # Prompts (research/scan_rows/: plans timed on an H200 on 2026-12-02): one-warp programs of 32 channels, four
     # tokens in flight. Short ubatches, and many sequences (which fill the GPU on their own), run in one pass; a long
-    # prompt of a few sequences is also cut into chunks, up to 24 programs per SM (two waves at most: a chunk's walk
+    # prompt of a few sequences is also cut into chunks, up to 30 programs per SM (two waves at most: a chunk's walk
     # is long, the wave's tail short). At d_inner 5120: L 2048 batch 8 in one pass 845 us (1102 before); batch 1,
-    # 19 chunks 177 us (188); L 8192 650 us (722). d_inner 1536, L 2048, 32 chunks 65 us (86).
+    # 24 chunks 166 us (188); L 8192 600 us (722). d_inner 1536, L 2048, 32 chunks 64 us (86).
     programs = S * _cdiv(D, 32)
-    n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 24 * sms // programs))
+    n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 30 * sms // programs))
     return dict(schedule="steps", BLOCK_D=32, n_chunks=n_chunks, SLOTS=4, TILES=True, num_warps=1)
 
 

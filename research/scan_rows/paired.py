@@ -3,6 +3,8 @@ rounds, each output checked against float64; then chunk counts and (`decode`) de
 writes paired.json to $OUT. The kernel before is the caller's to provide, untracked, for the device tool to carry:
 
     git show 3fa4b75:kernels/triton.py > kernels/zz_old_triton.py   # remove it afterwards
+
+(`chunked` compared against 18e27ac's kernel the same way.)
 """
 import json
 import os
@@ -63,6 +65,14 @@ def case(S, L, D, states=False, chunks=(), plans=()):
 if sys.argv[1:] == ["decode"]:
     for S in (1, 8, 64):
         case(S, 1, 5120, plans=((16, 1), (32, 1), (64, 1), (64, 2)))
+elif sys.argv[1:] == ["chunked"]:      # the chunked shapes only (pass 1 changed)
+    case(1, 2048, 5120, chunks=(19, 28))
+    case(1, 2048, 1536)
+    case(1, 8192, 5120, chunks=(32,))
+    case(1, 512, 5120)
+    case(2, 2048, 5120, chunks=(9, 16))
+    case(3, 2048, 5120, chunks=(6,))
+    case(1, 2048, 5120, states=True)
 else:
     case(1, 2048, 5120, chunks=(16, 20, 24, 28))
     case(8, 2048, 5120)
