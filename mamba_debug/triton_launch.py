@@ -23,15 +23,16 @@ Under the interpreter (`Interpreted`), a launch with CPU tensors only runs the k
 and back onto itself after the grid ran, and triton.language scanned for its builtins to patch (the patches are
 kept and set again). A launch of a 31-argument kernel that does nothing took 0.84 ms, now 0.27 ms; a decode step
 launches two kernels a layer, each a few ms (benchmarks/README.md, sixteenth session). Its second launch with an
-argument key is recorded (a key launched once never pays for it), later ones replay the recorded operations (`triton_replay`: the same numpy operations
-without triton.language in between, the same bits; a kernel whose Python reads back what differs between launches
-is not recorded).
+argument key is recorded (a key launched once never pays for it), later ones replay the recorded operations
+(`triton_replay`: the same numpy operations without triton.language in between, the same bits; a kernel whose
+Python reads back what differs between launches is not recorded).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 
+import numpy as np
 import torch
 
 from . import triton_replay
@@ -140,8 +141,6 @@ class Interpreted:
         index = [p for p in self.patches if p[1] == "__index__"]
         again = triton_replay.reapplying(interpreter._patch_lang, index)
         self.patches += self.memo + [(interpreter, "_patch_lang", again)]
-        import numpy  # noqa: PLC0415
-        self.np = numpy
         self.traces: dict = {}          # argument key -> triton_replay.Trace, or REFUSED
         self.once: set = set()          # keys launched once: recorded at their second launch (recording costs
                                         # 1.5-2x a launch; a key launched once never pays it)
@@ -247,7 +246,7 @@ class Interpreted:
 
     def _replay(self, trace, grid, tensors):
         """Run a kept launch: one Trace for every grid point, or a list of them, one per point in grid order."""
-        np, TH = self.np, self.I.TensorHandle
+        TH = self.I.TensorHandle
         by_name = dict(zip(self.names, tensors))
         first = trace[0] if isinstance(trace, list) else trace
         handles = [TH(np.array([by_name[name].data_ptr()], dtype=np.uint64), ty) for name, ty in first.pointer_args]
