@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import hashlib
 import json
 import os
 import pstats
@@ -71,7 +72,7 @@ def cell(model, ids, n_gen=N_GEN, **kw) -> dict:
     paths = collections.Counter((n["backend"], n["path"]) for n in lc.get("nodes", []) if n["op"] == "MUL_MAT")
     fd = j["first_divergence"]
     oe = lc.get("observer_effect", {})
-    return {**{k: v for k, v in kw.items() if k != "llama_lib"}, "seconds": round(time.perf_counter() - t0, 2),
+    return {"answers_sha": answers_sha(j), "copies": lc.get("copies"),**{k: v for k, v in kw.items() if k != "llama_lib"}, "seconds": round(time.perf_counter() - t0, 2),
             "verdict": j["verdict"] if isinstance(j["verdict"], str) else j["verdict"].get("text", str(j["verdict"])),
             "first_divergence": None if fd is None else {k: fd.get(k) for k in ("seq", "token", "layer", "site", "by")},
             # per-token local evidence at fd, or at the divergence a precision verdict explained
@@ -87,6 +88,31 @@ def cell(model, ids, n_gen=N_GEN, **kw) -> dict:
             "observer_bitwise": oe.get("logits_bitwise_identical"), "traced_s": oe.get("traced_s"),
             "untraced_s": oe.get("untraced_s"), "context": lc.get("context"), "callback": lc.get("callback"),
             "n_gen": n_gen, **mem.row()}
+
+
+def answers_sha(j: dict) -> str:
+    """A digest of what a run answered (every site's errors, the verdict, the generations), without how fast or
+    through which context, callback and copies it came: runs that answered alike have the same digest (as
+    tests/conftest.py's llama_answers)."""
+    j = json.loads(json.dumps(j))
+    j.pop("timings", None)
+    lc = j["config"]["llama_cpp"]
+    for k in ("context", "callback", "copies"):
+        lc.pop(k, None)
+
+    def timeless(v):            # every duration inside (traced_s, untraced_s, a replay's seconds) left out
+        if isinstance(v, dict):
+            return {k: timeless(x) for k, x in v.items() if not (k == "seconds" or k.endswith("_s"))}
+        return [timeless(x) for x in v] if isinstance(v, list) else v
+    j["config"]["llama_cpp"] = timeless(lc)
+    return hashlib.sha256(json.dumps(j, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --cells' fifth field: how the values are copied (sides/llamacpp/defer.py); a change frees the kept context, so the
+# next cell makes a new one (its Tracer reads these switches)
+COPIES = {"split": {"MAMBA_DEBUG_DEFER": "0", "MAMBA_DEBUG_ASYNC": "0"},     # a stop per read, synchronous copies
+          "sync": {"MAMBA_DEBUG_DEFER": "1", "MAMBA_DEBUG_ASYNC": "0"},      # deferred, synchronous copies
+          "async": {"MAMBA_DEBUG_DEFER": "1", "MAMBA_DEBUG_ASYNC": "1"}}     # the default
 
 
 def three_cell(model, ids, **kw) -> dict:
@@ -135,7 +161,8 @@ def _max_logit_err(res) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("smoke", "grid", "big", "three"))
+    ap.add_argument("mode", choices=("smoke", "grid", "big", "three", "cells"),
+                    help="cells: --cells on the shipped model (as big does on the 2.8B shape)")
     ap.add_argument("--offloads", default="all,0", help="big: the -ngl values (all, half or a number)")
     ap.add_argument("--ubatches", default="512", help="big: the -ub values")
     ap.add_argument("--seqs", default="1", help="big: the numbers of sequences")
@@ -155,6 +182,7 @@ def main():
                          "FASTPATH=1, MAMBA_DEBUG_LLAMA_KEEP=0): the baseline of the C fast path and kept contexts")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new cell after this many seconds (the rows so far are written)")
+    ap.add_argument("--device", default="cuda", help="big, cells: --device of every cell (cpu: a check off the GPU)")
     ap.add_argument("--out", default="out/llamacpp_h200")
     ap.add_argument("--lib", default=str(ROOT / "build/llama-cuda/bin"))
     a = ap.parse_args()
@@ -162,6 +190,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     model, ids = (_big(out, a.prompt_tokens) if a.mode == "big" else _tiny(out))
+    copies = None
     n = model.config.n_layer
     rows = []
     if a.mode == "smoke":
@@ -176,13 +205,14 @@ def main():
                 for S in (1, 3)]
     else:
         ngls = {"all": n + 1, "half": n // 2}
-        cells = ([(c + ":").split(":")[:4] for c in a.cells.split(",")] if a.cells else
-                 [(v, ub, S, "") for v in a.offloads.split(",") for ub in a.ubatches.split(",")
+        cells = ([(c + "::").split(":")[:5] for c in a.cells.split(",")] if a.cells else
+                 [(v, ub, S, "", "") for v in a.offloads.split(",") for ub in a.ubatches.split(",")
                   for S in a.seqs.split(",")])
-        grid = [dict(device="cuda", offload=ngls[v] if v in ngls else int(v), ubatch=int(ub), n_seqs=int(S),
-                     local=not a.on_demand, ref_device="cuda", n_gen=a.n_gen, prompt_tokens=int(P or len(ids)),
+        grid = [dict(device=a.device, offload=ngls[v] if v in ngls else int(v), ubatch=int(ub), n_seqs=int(S),
+                     local=not a.on_demand, ref_device="cuda" if a.mode == "big" else "cpu", n_gen=a.n_gen,
+                     prompt_tokens=int(P or len(ids)), copies=C or "async",
                      **({"fp32_everywhere": True} if a.fp32_everywhere else {}))
-                for v, ub, S, P in cells]
+                for v, ub, S, P, C in cells]
     for i, kw in enumerate(grid):
         baseline = a.python_callback_first and i == 0
         os.environ.update({"MAMBA_DEBUG_NO_FASTPATH": "1", "MAMBA_DEBUG_LLAMA_KEEP": "0"} if baseline else {})
@@ -192,6 +222,11 @@ def main():
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
             print(f"budget of {a.budget_s:.0f} s spent: {len(grid) - len(rows)} cell(s) not run", flush=True)
             break
+        how = kw.pop("copies", None)
+        if how is not None and how != copies:
+            md.release_llama_cpp()              # a new context, whose Tracer reads the switches
+            os.environ.update(COPIES[how])
+            copies = how
         try:
             n_prompt = kw.pop("prompt_tokens", len(ids))
             run = (three_cell if a.mode == "three" else cell)
@@ -203,6 +238,7 @@ def main():
                 prof.disable()
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             row["prompt_tokens"] = n_prompt
+            row["copies_mode"] = how
         except Exception as exc:  # noqa: BLE001 (a benchmark row records what failed and goes on)
             row = {**kw, "error": f"{type(exc).__name__}: {exc}"[:600]}
         row.pop("llama_lib", None)
@@ -224,13 +260,18 @@ def main():
                                   "precision" if r.get("precision_text") else "clean")
         print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  {what[:50]:50} "
               f"{r.get('logits_rel_l2_max') or 0:9.2e}   {r.get('matmul_paths')}")
-    print("\ndevice ngl  ub  S  local      fp32  traced s  untraced s  x untraced  replay s  cell s  context")
+    print("\ndevice ngl  ub  S  local      fp32  copies  traced s  untraced s  x untraced  C stops  deferred  calls  "
+          "copy s  replay s  cell s  answers           context")
     for r in rows:
         if r.get("traced_s") and r.get("untraced_s"):
+            c = r.get("copies") or {}
             print(f"{r['device']:5} {r.get('offload', '-')!s:>4} {r['ubatch']:>3} {r['n_seqs']:>2}  "
                   f"{'always' if r.get('local') else 'on demand':9}  {'yes' if r.get('fp32_everywhere') else 'no':4}  "
-                  f"{r['traced_s']:8.3f}  {r['untraced_s']:10.4f}  {r['traced_s'] / r['untraced_s']:10.1f}  "
-                  f"{r.get('local_replay_s') or 0:8.2f}  {r['seconds']:6.1f}  {r.get('context')}")
+                  f"{r.get('copies_mode') or '-':6}  {r['traced_s']:8.3f}  {r['untraced_s']:10.4f}  "
+                  f"{r['traced_s'] / r['untraced_s']:10.1f}  {c.get('stops_in_c', '-')!s:>7}  "
+                  f"{c.get('deferred', '-')!s:>8}  {c.get('copy_calls', '-')!s:>5}  {c.get('copy_s', '-')!s:>6}  "
+                  f"{r.get('local_replay_s') or 0:8.2f}  {r['seconds']:6.1f}  "
+                  f"{r.get('answers_sha')}  {r.get('context')}")
 
 
 if __name__ == "__main__":

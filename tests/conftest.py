@@ -107,4 +107,5 @@ def llama_answers(j: dict) -> str:
     lc = j["config"]["llama_cpp"]
     lc["observer_effect"]["traced_s"] = lc["observer_effect"]["untraced_s"] = None
     lc["context"] = lc["callback"] = None
+    lc.pop("copies", None)              # how the values were copied (stops, deferred copies), not what they were
     return json.dumps(j, sort_keys=True)

@@ -43,7 +43,7 @@ def callback(lib, tracer: Tracer, cp) -> str:
     if dll is None:
         return f"Python ({why})"
     fast = tracer.fast = fastpath.FastPath(dll, cb, ctypes.cast(lib.dll.ggml_backend_tensor_get, ctypes.c_void_p).value,
-                                           ctypes.sizeof(STRUCT), NAME_OFF)
+                                           ctypes.sizeof(STRUCT), NAME_OFF, tracer.copier)
     KEEP_ALIVE.append(fast)
     cp.cb_eval, cp.cb_eval_user_data = fast.address, fast.user_data
     return "C fast path (sides/llamacpp/fastpath.c), Python for nodes of graphs not seen in this context"

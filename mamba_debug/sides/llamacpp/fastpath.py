@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ...safeio import atomic_path, cache_dir
+from . import defer
 
 SOURCE = Path(__file__).with_name("fastpath.c")
 MAX_OBSERVED = 1 << 13          # observes on the fast path per decode (past it, Python takes them)
@@ -35,8 +36,15 @@ class Leaf(ctypes.Structure):
 
 # md_step, as numpy lays a block of them out (a path's steps are mirrored together, one array)
 STEP = np.dtype([("raw", np.uintp), ("leaves", np.uintp), ("n_leaves", np.int32), ("id", np.int32),
-                 ("read", np.int32), ("pad", np.int32), ("dst", np.uintp), ("nbytes", np.uintp), ("next", np.uintp)])
+                 ("read", np.int32), ("host", np.int32), ("dst", np.uintp), ("nbytes", np.uintp),
+                 ("backend", np.uintp), ("next", np.uintp)])
 ID_OFF, NEXT_OFF = STEP.fields["id"][1], STEP.fields["next"][1]
+MAX_LOST = 1 << 10
+
+
+class Pending(ctypes.Structure):
+    _fields_ = [("tensor", ctypes.c_void_p), ("step", ctypes.c_void_p), ("flags", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
 
 
 class State(ctypes.Structure):
@@ -45,7 +53,17 @@ class State(ctypes.Structure):
                 ("name_off", ctypes.c_size_t), ("observed", ctypes.POINTER(ctypes.c_int32)),
                 ("n_observed", ctypes.c_int32), ("max_observed", ctypes.c_int32),
                 ("off", ctypes.c_int32), ("pad", ctypes.c_int32), ("fast_asks", ctypes.c_int64),
-                ("fast_observes", ctypes.c_int64), ("py_calls", ctypes.c_int64)]
+                ("fast_observes", ctypes.c_int64), ("py_calls", ctypes.c_int64),
+                ("get_async", ctypes.c_void_p), ("sync", ctypes.c_void_p), ("nbytes", ctypes.c_void_p),
+                ("is_host", ctypes.c_void_p), ("writes", ctypes.c_void_p), ("flags_off", ctypes.c_size_t),
+                ("op_off", ctypes.c_size_t), ("buffer_off", ctypes.c_size_t), ("data_off", ctypes.c_size_t),
+                ("forced", ctypes.c_void_p), ("forced_py", ctypes.c_int32), ("n_pending", ctypes.c_int32),
+                ("pending", Pending * defer.MAX_PENDING), ("lost", ctypes.POINTER(ctypes.c_int32)),
+                ("n_lost", ctypes.c_int32), ("max_lost", ctypes.c_int32), ("flushes", ctypes.c_int64),
+                ("deferred", ctypes.c_int64), ("forced_flushes", ctypes.c_int64), ("scratch", ctypes.c_void_p),
+                ("scratch_size", ctypes.c_size_t), ("tensor_size", ctypes.c_size_t), ("type_off", ctypes.c_size_t),
+                ("ne_off", ctypes.c_size_t), ("nb_off", ctypes.c_size_t), ("copies", ctypes.c_int64),
+                ("merged_copies", ctypes.c_int64), ("copy_ns", ctypes.c_int64)]
 
 
 def load():
@@ -67,9 +85,10 @@ def load():
                     raise RuntimeError(f"{cc} failed on {SOURCE}: {r.stderr.strip()[-400:]}")
         dll = ctypes.CDLL(str(so))
         dll.md_eval.restype = ctypes.c_bool
-        got = (ctypes.c_size_t * 5)()
+        got = (ctypes.c_size_t * 9)()
         dll.md_layout(got)
-        want = (STEP.itemsize, ID_OFF, NEXT_OFF, ctypes.sizeof(State), State.off.offset)
+        want = (STEP.itemsize, ID_OFF, NEXT_OFF, ctypes.sizeof(State), State.off.offset, State.get_async.offset,
+                State.lost.offset, defer.MAX_PENDING, State.scratch.offset)
         if tuple(got) != want:
             raise RuntimeError(f"{so}: struct layout {tuple(got)}, fastpath.py expects {want}")
         _LOADED["lib"] = (dll, None)
@@ -82,11 +101,13 @@ class FastPath:
     """One context's C state: the callback to hand llama.cpp (`address`, `user_data`), and the mirrors of the
     Tracer's steps. `py` is the Tracer's ctypes callback; `get` the address of ggml_backend_tensor_get."""
 
-    def __init__(self, dll, py, get: int, raw_len: int, name_off: int):
-        self.dll, self.py = dll, py                  # kept alive as long as C may call them
+    def __init__(self, dll, py, get: int, raw_len: int, name_off: int, copier: "defer.Copier"):
+        self.dll, self.py, self.copier = dll, py, copier    # kept alive as long as C may call them
         self.observed = (ctypes.c_int32 * MAX_OBSERVED)()
+        self.lost_ids = (ctypes.c_int32 * MAX_LOST)()
         self.state = State(py=ctypes.cast(py, ctypes.c_void_p), get=get, raw_len=raw_len, name_off=name_off,
-                           observed=self.observed, max_observed=MAX_OBSERVED)
+                           observed=self.observed, max_observed=MAX_OBSERVED, lost=self.lost_ids,
+                           max_lost=MAX_LOST, **copier.c_fields())
         self.address = ctypes.cast(dll.md_eval, ctypes.c_void_p).value
         self.user_data = ctypes.addressof(self.state)
         self.reset()
@@ -101,9 +122,23 @@ class FastPath:
 
     def begin(self, trace: bool):
         """A decode starts (trace: the Tracer maps it), or ends (False: every ask answered no in C)."""
+        self.dll.md_drop(ctypes.byref(self.state))      # nothing is pending here, but after a failed decode
         self.state.cur = self.state.due = None
-        self.state.n_observed = 0
+        self.state.n_observed = self.state.n_lost = 0
         self.state.off = not trace
+
+    def finish(self):
+        """The decode is over: the copies still pending (a graph that ended before its planned stop) are made."""
+        self.dll.md_finish(ctypes.byref(self.state))
+
+    def drop(self):
+        """Tracing stopped inside a decode: the pending nodes get their flags back, nothing more is copied."""
+        self.dll.md_drop(ctypes.byref(self.state))
+
+    def lost(self) -> list:
+        """The steps of this decode whose deferred copy was given up (a node off the path may have overwritten
+        them: fastpath.c), as the sites they were read for."""
+        return [self.steps[i].read[0] for i in self.lost_ids[:self.state.n_lost]]
 
     def at(self):
         """The Python step where the fast path stands, or None."""
@@ -146,8 +181,13 @@ class FastPath:
         base = block.ctypes.data
         block["raw"] = raw.ctypes.data + np.arange(n, dtype=np.uintp) * width
         block["id"] = np.arange(len(self.steps), len(self.steps) + n, dtype=np.int32)
+        scratch = self.copier.scratch
+        if scratch is not None and not self.state.scratch:      # the first GPU backend was made: merged copies
+            self.state.scratch, self.state.scratch_size = scratch.ctypes.data, scratch.size
         reads = [c.read for c in chain]
-        block["read"] = [r is not None for r in reads]
+        block["read"] = defer.plan(chain, self.copier.defer)
+        block["host"] = [-1 if c.span.host is None else int(c.span.host) for c in chain]
+        block["backend"] = [c.span.backend for c in chain]
         block["dst"] = [r[1] if r is not None else 0 for r in reads]
         block["nbytes"] = [r[2] if r is not None else 0 for r in reads]
         block["next"][:-1] = base + np.arange(1, n, dtype=np.uintp) * STEP.itemsize
@@ -171,4 +211,6 @@ class FastPath:
     def counts(self) -> dict:
         """Callbacks so far: asks and observes answered in C, calls handed to Python."""
         st = self.state
-        return {"c_asks": int(st.fast_asks), "c_observes": int(st.fast_observes), "python_calls": int(st.py_calls)}
+        return {"c_asks": int(st.fast_asks), "c_observes": int(st.fast_observes), "python_calls": int(st.py_calls),
+                "c_stops": int(st.flushes), "c_deferred": int(st.deferred), "forced_stops": int(st.forced_flushes),
+                "c_copies": int(st.copies), "c_merged": int(st.merged_copies), "c_copy_s": st.copy_ns * 1e-9}

@@ -115,7 +115,18 @@ SYMBOLS = {
     "ggml_backend_dev_name": (c_char_p, [c_void_p]),
     "ggml_backend_dev_type": (c_int, [c_void_p]),
 }
-OPTIONAL = {"llama_version": (c_char_p, []), "ggml_version": (c_char_p, []), "ggml_commit": (c_char_p, [])}
+OPTIONAL = {"llama_version": (c_char_p, []), "ggml_version": (c_char_p, []), "ggml_commit": (c_char_p, []),
+            # the fast path's deferred, asynchronous copies (defer.py); without them it copies as before
+            "ggml_backend_buffer_is_host": (c_bool, [c_void_p]),
+            "ggml_backend_buffer_get_type": (c_void_p, [c_void_p]),
+            "ggml_backend_buft_get_device": (c_void_p, [c_void_p]),
+            "ggml_backend_dev_init": (c_void_p, [c_void_p, c_char_p]),
+            "ggml_backend_tensor_get_async": (None, [c_void_p, c_void_p, c_void_p, c_size_t, c_size_t]),
+            "ggml_backend_synchronize": (None, [c_void_p]),
+            "ggml_backend_dev_host_buffer_type": (c_void_p, [c_void_p]),
+            "ggml_backend_buft_alloc_buffer": (c_void_p, [c_void_p, c_size_t]),
+            "ggml_backend_buffer_get_base": (c_void_p, [c_void_p]),
+            "ggml_backend_buffer_free": (None, [c_void_p])}
 MAX_DEVICES = 256       # more than any host has: a count beyond it is garbage from a mismatched library
 DEV_GPU = {1, 2}        # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU (CPU 0, ACCEL 3)
 # llama_context_default_params() of the mirrored llama.h: a library with another layout returns other numbers here

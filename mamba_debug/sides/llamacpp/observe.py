@@ -27,11 +27,12 @@ are then mapped again from their live structs, as when leaving the raw trie).
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Optional
 
 import numpy as np
 
-from . import recall
+from . import defer, recall
 from .lib import GgmlTensor
 from .local import OPS as LOCAL_OPS
 from .nodes import DTYPES, HEAD_NAMES, GraphMap, host_array, model_input, read_data, read_node
@@ -50,12 +51,13 @@ class _Step:
     """One node of a graph, mapped, given exactly the nodes before it on its path. A step rebuilt from what recall.py
     remembers makes its Node (from `kept` and its struct's bytes `raw`) only when asked for it: most never are."""
     __slots__ = ("parent", "index", "addr", "raw", "kept", "_node", "leaves", "read", "size", "shape", "emb", "kids",
-                 "next_raw", "next", "mirror")
+                 "next_raw", "next", "mirror", "span", "ends")
 
     def __init__(self, parent, index=-1, addr=None, raw=None, kept=None, node=None, leaves=None, read=None,
-                 shape=None, emb=False):
+                 shape=None, emb=False, span=None):
         self.parent, self.index, self.addr, self.raw, self.kept, self._node = parent, index, addr, raw, kept, node
-        self.leaves, self.read, self.shape, self.emb = leaves, read, shape, emb
+        self.leaves, self.read, self.shape, self.emb, self.span = leaves, read, shape, emb, span
+        self.ends = False                       # a decode's graph ended here (defer.plan stops before it)
         self.size = node.size if node is not None else kept.size if parent is not None else 0
         self.kids: dict = {}
         self.next_raw = self.next = None        # the first child: most graphs of a kind take one path
@@ -100,6 +102,9 @@ class Tracer:
         layer kinds' and observed sites' own (recall.py). None: nothing remembered across Tracers."""
         self.lib, self.kinds, self.observed = lib, kinds, observed
         self.get = lib.dll.ggml_backend_tensor_get
+        self.copier = defer.Copier(lib)      # what the fast path's deferred copies need
+        self.lost: list = []                 # (ubatch, site): deferred copies given up (fastpath.c), never compared
+        self.counts0: dict = {}              # the fast path's counts when this run began
         self.tracing, self.error, self.graphs, self.cur = False, None, [], None
         self.local = self.fault = None
         self.weights: dict = {}         # --local: weights as float64, read once
@@ -110,7 +115,7 @@ class Tracer:
     def _reset_trie(self):
         self.memory = None if self.recall_key is None else recall.memory(self.recall_key)
         self.root = _Step(None, kept=None if self.memory is None else self.memory.root)
-        self.pool, self.arena, self.steps = {}, None, 0
+        self.pool, self.arenas, self.steps = {}, {}, 0
         if self.fast is not None:
             self.fast.reset()
 
@@ -139,18 +144,53 @@ class Tracer:
         self.cur = self.gm = self.at = None
         self.legacy, self.checked, self.bufs = local is not None, set(), {}
         self.every = fault is not None      # the fault hook sees every node, between nodes
+        if trace and u == 0 and first_seq == 0:        # a run begins: what copies() reports starts here
+            self.lost, self.counts0 = [], self.fast.counts() if self.fast is not None else {}
         if self.fast is not None:
             self.fast.begin(trace)
 
     def end(self) -> list:
         self.tracing = False
         if self.fast is not None:           # what the fast path walked and copied
+            self.fast.finish()
             self._sync()
             self.data.update(self.fast.observed_reads())
+            self._give_up(self.fast.lost())
             self.fast.begin(False)
         if self.graphs and "map" not in self.graphs[0]:
             self._close(self.graphs[0])
+            if self.graphs[0]["last"] is not None:
+                self.graphs[0]["last"].ends = True
         return self.graphs
+
+    def copies(self) -> dict:
+        """How this run's values were copied (config.llama_cpp.copies): the stops the fast path made, the copies
+        it deferred, and any it gave up (those sites are not observed in that ubatch)."""
+        if self.fast is None:
+            return {"how": "the Python callback: llama.cpp stops at every node whose values a site needs"}
+        now = self.fast.counts()
+        d = {k: now[k] - self.counts0.get(k, 0) for k in ("c_stops", "c_deferred", "forced_stops", "c_copies",
+                                                          "c_merged", "c_copy_s")}
+        return {"how": self.copier.words(), "stops_in_c": d["c_stops"], "deferred": d["c_deferred"],
+                "forced_stops": d["forced_stops"], "copy_calls": d["c_copies"], "merged": d["c_merged"],
+                "copy_s": round(d["c_copy_s"], 4),
+                "lost": [{"ubatch": u, "layer": layer, "site": site} for u, (layer, site) in self.lost]}
+
+    def _give_up(self, sites: list):
+        """Deferred copies the fast path gave up (a node off its path may have overwritten them): those sites are not
+        observed in this ubatch, and nothing is deferred any more in this context (every mirror made again)."""
+        if not sites:
+            return
+        for site in sites:
+            self.data.pop(site, None)
+            self.lost.append((self.u, site))
+        warnings.warn(f"llama.cpp side: ubatch {self.u}: {len(sites)} deferred copies given up (a node off the "
+                      f"known path may have overwritten them): {sites[:4]} not observed in this ubatch; deferred "
+                      f"copies are off for the rest of this context (config.llama_cpp.copies)", stacklevel=2)
+        self.copier.defer = False
+        for step in self.fast.steps:        # their C structs go with the mirrors
+            step.mirror = None
+        self.fast.reset()
 
     # -- the callback ---------------------------------------------------------------------------------------------
     def eval(self, t, ask, user_data):
@@ -236,7 +276,7 @@ class Tracer:
         elif self.at is None:                       # left the raw trie: this graph's nodes so far, from the path
             self._resume(cur)
         index = cur.index + 1
-        self.new_leaves = []
+        self.new_leaves, self.new_copies = [], []
         key = recall.node_key(raw, self.at, self._leaf_name, self._buffer_name)
         kept = cur.kept.kids.get(key) if cur.kept is not None and self.gm is None else None
         node = None
@@ -252,9 +292,10 @@ class Tracer:
             self._close(self.graphs[0])
             self.legacy, self.cur = True, None
             return True
-        read = None if kept.view is None else self._buffer(kept, index)
+        span = self.copier.span(t, raw, kept.op, tuple(self.new_copies), kept.view is not None)
+        read = None if kept.view is None else self._buffer(kept, index, span.backend)
         s = self.cur = cur.add(raw, _Step(cur, index, t, raw, kept, node, tuple(self.new_leaves) or None, read,
-                                          kept.conv or cur.shape, kept.emb))
+                                          kept.conv or cur.shape, kept.emb, span))
         if cur.mirror is not None and cur.next is s:    # the fast path reached cur: it may walk on to s next time
             self.fast.linked(cur)
         self.steps += 1
@@ -266,6 +307,9 @@ class Tracer:
         """The name of a tensor read that is no node; noted at its first read in a graph unless it lasts as long as
         the context (checked on the raw trie's path: its address may hold another tensor in a later graph)."""
         name = NAME.from_address(a + NAME_OFF).value
+        if name.count(b"#") >= 2:           # the scheduler's copy of a tensor for another backend (defer.py)
+            data = GgmlTensor.from_address(a).data or 0
+            self.new_copies.append((data, data + self.lib.dll.ggml_nbytes(a)))
         if a not in self.checked:
             self.checked.add(a)
             if not name.startswith(LASTING):
@@ -299,18 +343,20 @@ class Tracer:
             raise TypeError(f"node {node.name!r}: ggml type {node.type} is not read by mamba-debug")
         return node.ne[::-1], dtype, node.nb[::-1], self.lib.dll.ggml_nbytes(node.addr)
 
-    def _buffer(self, kept: recall.Kept, index: int) -> tuple:
+    def _buffer(self, kept: recall.Kept, index: int, backend: int) -> tuple:
         """(site, address, bytes, array): where a mapped node's values are copied; one slice of an arena per
-        position in the graph and size, shared by the paths through it (one graph at a time uses it)."""
+        position in the graph and size, shared by the paths through it (one graph at a time uses it). Values in a
+        GPU's memory go to pinned arenas (an asynchronous copy needs one: defer.Copier), others to plain ones."""
         shape, dtype, strides, extent = kept.view
-        slot = self.pool.get((index, extent))
+        pinned = bool(backend)
+        slot = self.pool.get((index, extent, pinned))
         if slot is None:
             size = -(-max(extent, 1) // 64) * 64
-            if self.arena is None or self.used + size > self.arena.size:    # a new arena (the old one stays alive
-                self.arena = np.empty(max(size, ARENA), dtype=np.uint8)     # as long as arrays view it)
-                self.arena_addr, self.used = self.arena.ctypes.data, 0
-            slot = self.pool[(index, extent)] = self.arena, self.used, self.arena_addr + self.used
-            self.used += size
+            arena, used = self.arenas.get(pinned, (None, 0))
+            if arena is None or used + size > arena.size:       # a new arena (the old one stays alive as long
+                arena, used = self.copier.arena(max(size, ARENA), backend), 0   # as arrays view it)
+            slot = self.pool[(index, extent, pinned)] = arena, used, arena.ctypes.data + used
+            self.arenas[pinned] = arena, used + size
         arr = np.ndarray(shape=shape, dtype=dtype, buffer=slot[0], offset=slot[1], strides=strides)
         return (kept.layer, kept.site), slot[2], extent, arr
 

@@ -250,7 +250,7 @@ class LlamaCppSide:
         out = {"logits_bitwise_identical": first is None, "first_different_ubatch": first, "max_abs_diff": worst,
                "traced_s": round(sum(h[-1] for h in self._history), 4), "untraced_s": round(untraced, 4),
                "untraced_means": "the eval callback answers no to every ask (in C, where the fast path runs)"}
-        self.info.extra["observer_effect"] = out
+        self.info.extra.update(observer_effect=out, copies=self.tracer.copies())
         if self.local is not None:
             self.info.extra["local"] = self.local.to_dict()
         return out
