@@ -15,6 +15,10 @@ through Triton's own `kernel[grid](...)` for comparison) and the engine's valida
 contract checks on every call) are timed, each against the kernels' graphed time (the wrapper's input check waits
 for the GPU, which a CUDA graph capture refuses). A first row times `z.add_(1)` the same ways: the floor of any
 direct call of a GPU op on that machine.
+
+`--breakdown` prints where one call's host time goes instead (no result file): the whole call, its two allocations,
+each launch alone with the arguments the call gave it, the compiled kernel's own launcher alone, and cProfile's
+heaviest functions over 300 calls.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from mamba_debug.backends import device_backend  # noqa: E402
 from mamba_debug.plugins import load_plugin  # noqa: E402
+from mamba_debug.triton_launch import Launch  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "out" / "benchmarks-h200"))
 N = 16
@@ -146,5 +151,89 @@ def main():
               f"{r['impl'].replace('triton, direct Python call: ', '')}")
 
 
+class _Recorded:
+    """A launcher that notes its calls' arguments and forwards them."""
+
+    def __init__(self, launch):
+        self.launch, self.calls = launch, []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        self.launch(*args)
+
+
+def host_us(fn, reps=200) -> float:
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _recorded_launches(module, call) -> list:
+    """(launcher, its arguments) of each launch one `call()` makes, in order."""
+    names = [n for n, v in vars(module).items() if isinstance(v, Launch)]
+    real = {n: getattr(module, n) for n in names}
+    rec = {n: _Recorded(real[n]) for n in names}
+    try:
+        for n in names:
+            setattr(module, n, rec[n])
+        call()
+    finally:
+        for n in names:
+            setattr(module, n, real[n])
+    return [(real[n], a) for n in names for a in rec[n].calls]
+
+
+def _launch_parts(i: int, launch, args: tuple) -> dict:
+    """Host us of one recorded launch through the kept launcher, and of its compiled launcher alone (printing the
+    compiled kernel's registers, spills and scratch)."""
+    grid, tensors, scalars, meta = args
+    parts = {f"launch {i}, grid {grid}": host_us(lambda: launch(*args))}
+    kept = next((k for key, k in launch.kept.items() if key[1] == (*meta.values(), *scalars)), None)
+    if kept is None:
+        return parts
+    c, tail = kept
+    g, stream = (*grid, 1, 1), torch.cuda.current_stream().cuda_stream
+    parts[f"  launch {i}: its compiled launcher alone"] = host_us(lambda: c.run(
+        g[0], g[1], g[2], stream, c.function, c.packed_metadata, None, None, None, *tensors, *scalars, *tail))
+    c._init_handles()
+    print(f"launch {i} {grid}: {len(tensors)} tensors, {len(scalars)} scalars, {len(tail)} after them; registers "
+          f"{getattr(c, 'n_regs', '?')}, spills {getattr(c, 'n_spills', '?')}, shared {c.metadata.shared}, global "
+          f"scratch {getattr(c.metadata, 'global_scratch_size', '?')}")
+    return parts
+
+
+def breakdown():
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+    g = torch.Generator(device="cuda").manual_seed(0)
+    module = load_plugin("triton", device="cuda").module
+    print(f"torch add_ host: {host_us(lambda: torch.zeros(1, device='cuda').add_(1)):.1f} us (with its zeros)")
+    for mode, L, S in (("prefill", 2048, 1), ("prefill", 2048, 8), ("decode", 1, 1)):
+        v = inputs(S, L, 5120, g)
+        call = lambda: module.ssm_scan(v["h0"], v["x"], v["dt"], v["A"], v["B"], v["C"])  # noqa: E731
+        for _ in range(3):
+            call()
+        parts = {"whole call": host_us(call),
+                 "torch.empty y, state": host_us(lambda: (torch.empty((S, L, 5120), device="cuda"),
+                                                         torch.empty((S, 5120, N), device="cuda")))}
+        for i, (launch, args) in enumerate(_recorded_launches(module, call)):
+            parts.update(_launch_parts(i, launch, args))
+        print(f"\nssm_scan {mode} S={S} L={L}: host us (median of 200)")
+        for k, us in parts.items():
+            print(f"  {k:60} {us:8.1f}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            call()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 if __name__ == "__main__":
-    main()
+    breakdown() if "--breakdown" in sys.argv else main()

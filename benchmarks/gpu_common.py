@@ -159,6 +159,18 @@ def median_time(fn, reps: int, warmup: int) -> float:
     return statistics.median(once(fn) for _ in range(reps))
 
 
+def paired_times(fn, base, reps: int, warmup: int) -> tuple[float, float, list[float]]:
+    """fn and base (the untraced run) alternating, after warmup calls of each: medians of fn's and of base's
+    seconds, and the ratio of each pair (fn / the base run right after it), sorted. The machine's speed drifts by
+    tens of percent over a run; a pair sees the same speed, the ratio's median drops the outliers."""
+    for _ in range(warmup):
+        fn()
+        base()
+    pairs = [(once(fn), once(base)) for _ in range(reps)]
+    return (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
+            sorted(a / b for a, b in pairs))
+
+
 def free_memory(host_cache=True):
     """Drop what a part left behind. host_cache=False keeps torch's pool of pinned blocks: pinning is slow (GB/s),
     and the levels that copy to the host reuse each other's block sizes."""

@@ -6,13 +6,14 @@ import cProfile
 import dataclasses
 import os
 import pstats
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from gpu_common import (CUDA, GB, error_row, free_memory, log, median_time, peak_gpu, prefill,  # noqa: E402
-                        reset_peak, sync)
+from gpu_common import (CUDA, GB, error_row, free_memory, log, median_time, paired_times, peak_gpu,  # noqa: E402
+                        prefill, reset_peak, sync)
 from mamba_debug.compare import ubatch_capture_bytes  # noqa: E402
 from mamba_debug.metrics import METRICS, site_errors_many  # noqa: E402
 from mamba_debug.model import Runner  # noqa: E402
@@ -121,6 +122,7 @@ def tracing_levels(dev) -> list[dict]:
 
 TRACE_DIR = os.environ.get("OUT")   # where --profile writes a chrome trace of its GPU run (a device call's $OUT)
 ONLY = None           # --only TEXT: run only the tracing levels whose description contains TEXT ('a|b': either)
+PAIRS = 9             # alternating traced / untraced runs per level on a GPU
 PROFILE = None        # --profile TEXT: profiles of one run of the tracing level whose description contains TEXT
 
 
@@ -150,8 +152,9 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
     reps, warm = (1, 1) if small else (3, 1)
     rows = []
 
-    def row(what, seconds, base, captured=0, to_host=False, peak=None):
-        r = {"part": "tracing", "what": what, "seconds": seconds, "ratio": seconds / base, "bytes": captured,
+    def row(what, seconds, base, captured=0, to_host=False, peak=None, ratios=None):
+        ratio = statistics.median(ratios) if ratios else seconds / base
+        r = {"part": "tracing", "what": what, "seconds": seconds, "ratio": ratio, "bytes": captured,
              "peak_gpu_bytes": peak, "host_gb_s": captured / seconds / GB if to_host and CUDA else None, "note": ""}
         log(f"  {seconds:8.3f} s  x{r['ratio']:6.2f}  {captured / GB:7.2f} GB  {what}")
         rows.append(r)
@@ -192,14 +195,19 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
         try:
             free_memory(host_cache=False)
             reset_peak()
-            t = median_time(run, 1 if lv["once"] else reps, 0 if lv["once"] else warm)
-            peak = peak_gpu()
-            # the ratio is to an untraced run timed right after this level: one machine's speed drifts by tens of
+            # the ratio is to untraced runs alternating with this level's: one machine's speed drifts by tens of
             # percent over a run (0.61 s untraced at the start of a run whose hook-only levels took 0.51 s)
-            beside = median_time(lambda: prefill(plain, tokens, ubatch), reps, 0)
-            r = row(lv["what"], t, beside, tap.bytes, lv["to_host"], peak)
+            untraced = lambda: prefill(plain, tokens, ubatch)  # noqa: E731
+            if lv["once"]:
+                t, beside, ratios = median_time(run, 1, 0), median_time(untraced, reps, 0), None
+            else:
+                t, beside, ratios = paired_times(run, untraced, PAIRS if CUDA else reps, warm)
+            peak = peak_gpu()
+            r = row(lv["what"], t, beside, tap.bytes, lv["to_host"], peak, ratios)
             host = getattr(tap.inner, "host_s", None)
-            notes = [f"untraced beside it {beside:.3f} s",
+            pairs = (f" (median of {len(ratios)} alternating pairs, each {ratios[0]:.3f}-{ratios[-1]:.3f})"
+                     if ratios else "")
+            notes = [f"untraced beside it {beside:.3f} s{pairs}",
                      f"host time measuring the layers {host:.3f} s in the last run" if host else "",
                      check_capture(runner, tokens, ubatch, tap.inner) if lv["check"] else "",
                      pinned_note() if lv["to_host"] else ""]

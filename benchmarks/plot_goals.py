@@ -71,10 +71,11 @@ def goals() -> list:
             out.append(("4 decode scan / selective_state_update, b 64", r["time_us"] / r["reference_us"], 1, "x",
                         r.get("date", h["meta"]["date"])))
         direct = [r for r in h["rows"] if r["impl"] == "triton, direct Python call: kernels/triton.py"
-                  and r["op"] == "ssm_scan" and r["batch"] == 1]
+                  and r["op"] == "ssm_scan" and (r["batch"], r["mode"]) in ((1, "prefill"), (8, "prefill"),
+                                                                         (1, "decode"))]
         for r in direct:
-            out.append((f"4 direct call / graphed, scan {r['mode']} b 1", r["direct_x_graphed"], 1.1, "x",
-                        r["date"]))
+            out.append((f"4 direct call / graphed, scan {r['mode']} b {r['batch']}", r["direct_x_graphed"], 1.1,
+                        "x", r["date"]))
     lc = _load("llamacpp_cpu.json")
     if lc:
         run = lc["runs"].get("now") or lc["runs"].get("after", {})      # the latest measured run

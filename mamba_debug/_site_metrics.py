@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mamba_debug.metric_block import METRICS, SiteErrors   # METRICS: the order of a site's rows in `out`
 from mamba_debug.site_layout import plan, row_layout as _row_layout, vec as _vec
 from mamba_debug.triton_launch import Launch, cdiv, helper_jit, sm_count
 
@@ -53,7 +54,6 @@ _device_function = helper_jit(INTERPRET)     # the helpers below: plain function
 INF = tl.constexpr(float("inf"))
 TINY = tl.constexpr(1e-300)          # the torch version's clamp_min; a float64 constant for Triton (< float32 range)
 N_PARTS = 7                          # num, den, aa, ab, mx, a_bad, b_bad: what each piece's program hands over
-METRICS = ("rel_l2", "max_abs", "nmse", "cosine")   # the order of the rows of `out` (as metrics.METRICS)
 
 SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -409,9 +409,10 @@ class _Plan:
             if S * T == 0:
                 out[i] = dict(zip(METRICS, torch.empty((4, S, T), dtype=torch.float64,
                                                        device=pairs[i][1].device).unbind(0)))
-        if res is not None:
-            for (i, _), piece in zip(self.order, res.split([n for _, n in self.order])):
-                out[i] = dict(zip(METRICS, piece.view(4, *self.shapes[i]).unbind(0)))
+        offset = 0
+        for i, n in self.order:             # views made when read (metric_block: most of the host time here)
+            out[i] = SiteErrors(res, offset, self.shapes[i])
+            offset += n
         return out
 
     def _table(self, g: dict) -> torch.Tensor:

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from .metric_block import cat_cpu, errors_cpu
 from .metrics import METRICS, Measured, birth_pair, logit_stats, perplexity, site_errors, site_errors_many
 from .settings import RunSettings
 from .trace import CompareResult
@@ -102,11 +103,12 @@ class Accumulator:
 
     def finish(self):
         r = self.res
-        r.errors = {k: {m: _cat_cpu([c[m] for c in chunks]) for m in chunks[0]} for k, chunks in self.err.items()}
-        r.floor = {k: _cat_cpu(v) for k, v in self.floor.items()}
-        r.logits = {m: _cat_cpu([c[m] for c in self.logit]) for m in self.logit[0]}
+        blocks: dict = {}                   # each metric block crosses to the host once (metric_block)
+        r.errors = {k: errors_cpu(chunks, blocks) for k, chunks in self.err.items()}
+        r.floor = {k: cat_cpu(v) for k, v in self.floor.items()}
+        r.logits = {m: cat_cpu([c[m] for c in self.logit]) for m in self.logit[0]}
         r.trace = {k: torch.cat(v, 1) for k, v in self.kept.items()}
-        r.local = {k: _cat_cpu(v) for k, v in self.local.items()}
+        r.local = {k: cat_cpu(v) for k, v in self.local.items()}
         r.nondeterminism = self.repeat_max
         P = r.n_prompt
         lr, ld = torch.cat(self.logit_ref, 1), torch.cat(self.logit_dev, 1)
@@ -152,11 +154,6 @@ def _per_token(res: CompareResult, parts: list, key):
         rows.append(full)
     res.trace_tokens[key[1:]] = list(range(n_tok))
     return torch.cat(rows, 0)
-
-
-def _cat_cpu(chunks: list) -> torch.Tensor:
-    """[S, t] metric chunks of the ubatches, on the reference's device -> one [S, n_tok] CPU tensor."""
-    return torch.cat(chunks, 1).cpu()
 
 
 def _identical(ref: torch.Tensor) -> dict:

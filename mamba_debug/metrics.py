@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from .metric_block import METRICS
 from .triton_env import exec_file, mode
 
-METRICS = ("rel_l2", "max_abs", "nmse", "cosine")
 
 
 def site_errors(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:

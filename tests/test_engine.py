@@ -325,19 +325,37 @@ def test_reference_device_code_path_gives_the_cpu_result(model, plugin, monkeypa
             torch.testing.assert_close(other.errors[k][m], base.errors[k][m], rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("which", ["mamba1", "hybrid"])
+@pytest.mark.parametrize("which", ["mamba1", "hybrid", "mamba1, results in blocks"])
 def test_sites_measured_at_birth_give_the_accumulators_result(model, plugin, monkeypatch, which):
     """capture='metrics' with the reference on a GPU measures each device site where it is born, against the
     reference's value of the same ubatch (no copy). Forced on the CPU here: every error, floor and logit statistic
     bit for bit as the Accumulator's own measurement: a bug found at the same place, a plug-in whose SSM state comes
-    at the ubatch end only, a hybrid, several sequences and a last ubatch cut short."""
-    from mamba_debug import compare, metrics
+    at the ubatch end only, a hybrid, several sequences and a last ubatch cut short. "results in blocks": measured
+    as the GPU's fused kernel hands them over, pieces of one block per call (metric_block.SiteErrors), at birth and
+    in the Accumulator, through its whole path (states at the ubatch end, floors, the join on the host)."""
+    from mamba_debug import accumulate, compare, metric_block, metrics
+    from mamba_debug.metric_block import SiteErrors
     from mamba_debug.sides import torch_side
-    m = model if which == "mamba1" else md.load_model(DATA / "tiny-granite-hybrid")
+    m = model if which != "hybrid" else md.load_model(DATA / "tiny-granite-hybrid")
     no_states_out = STRIDED_SILU + "\nSUPPORTS_STATES_OUT = False\n"     # its SSM state at ubatch ends only
-    kw = dict(offload=2, kernels=plugin(no_states_out) if which == "mamba1" else "torch", capture="metrics",
+    kw = dict(offload=2, kernels=plugin(no_states_out) if which != "hybrid" else "torch", capture="metrics",
               n_seqs=2, ubatch=6, n_gen=3)
     base = _run(m, **kw)
+    joined, in_blocks_too = [], "blocks" in which
+    if in_blocks_too:
+        measure = metrics.site_errors_many
+
+        def in_blocks(pairs):
+            out = measure(pairs)
+            if not out:
+                return out
+            block = torch.cat([torch.stack([e[k] for k in metrics.METRICS]).flatten() for e in out])
+            offsets = [0] + [4 * e["rel_l2"].numel() for e in out]
+            return [SiteErrors(block, sum(offsets[:i + 1]), tuple(e["rel_l2"].shape)) for i, e in enumerate(out)]
+        for module in (accumulate, torch_side):
+            monkeypatch.setattr(module, "site_errors_many", in_blocks)
+        monkeypatch.setattr(accumulate, "errors_cpu", lambda chunks, blocks: joined.append(
+            all(isinstance(c, SiteErrors) for c in chunks)) or metric_block.errors_cpu(chunks, blocks))
     calls = []
     monkeypatch.setattr(compare, "AT_BIRTH_ON_CPU", True)
     monkeypatch.setattr(torch_side, "birth_pair", lambda *a: calls.append(a[1::2]) or metrics.birth_pair(*a))
@@ -345,7 +363,7 @@ def test_sites_measured_at_birth_give_the_accumulators_result(model, plugin, mon
     assert (False, True) in calls or which == "hybrid", "no state measured against a per-token reference"
     assert (True, True) in calls and (False, False) in calls
     assert born.first_divergence == base.first_divergence
-    assert (born.first_divergence is not None) == (which == "mamba1")
+    assert (born.first_divergence is not None) == (which != "hybrid")
     for name in ("floor", "logits"):
         a, b = getattr(born, name), getattr(base, name)
         assert a.keys() == b.keys()
@@ -355,6 +373,7 @@ def test_sites_measured_at_birth_give_the_accumulators_result(model, plugin, mon
     for k in base.errors:
         for m_ in base.errors[k]:
             torch.testing.assert_close(born.errors[k][m_], base.errors[k][m_], rtol=0, atol=0, equal_nan=True)
+    assert not in_blocks_too or any(joined), "no site's metrics joined from their blocks"
 
 
 def test_capture_copies_values_and_keeps_them_where_asked():

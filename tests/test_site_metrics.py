@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mamba_debug import metrics
+from mamba_debug.metric_block import SiteErrors, errors_cpu
 from mamba_debug.metrics import METRICS, _site_errors_torch, fused_site_errors, site_errors
 
 DEVICE = os.environ.get("MAMBA_DEBUG_TEST_DEVICE", "interpret")    # "interpret" or "cuda"
@@ -468,3 +469,29 @@ def test_like_pairs_through_the_kernel_are_each_pair_bit_for_bit():
             for m in METRICS:
                 assert torch.equal(e[m].isnan(), want[m].isnan()), (m, shape)
                 assert torch.equal(e[m].nan_to_num(0.0), want[m].nan_to_num(0.0)), (m, shape)
+
+
+def test_metric_blocks_are_views_made_when_read_and_join_on_the_host_as_cat_does():
+    """site_errors_sites hands each site its piece of the launch group's block (metric_block.SiteErrors): the same
+    values as its four views, made at the first read; errors_cpu joins a site's ubatches from the blocks' host
+    copies, each block moved once, bit for bit torch.cat(...).cpu() of each metric; chunks of plain tensors (a state
+    spread over the ubatch by _at_last) take the torch path."""
+    mod = metrics._fused_module(interpret=DEVICE != "cuda")
+    ubatches = []
+    for u, T in enumerate((3, 1, 4)):               # awkward ubatch lengths, two sequences
+        ref = rand(2, T, 40, seed=10 + u).to(TORCH_DEVICE)
+        state = rand(2, T, 40, 4, seed=20 + u).to(TORCH_DEVICE)
+        ubatches.append(mod.site_errors_sites([(near(ref, seed=u), ref), (near(state, seed=u), state)]))
+    for site in range(2):
+        chunks = [errs[site] for errs in ubatches]
+        assert all(isinstance(c, SiteErrors) and c._views is None for c in chunks)
+        blocks: dict = {}
+        joined = errors_cpu(chunks, blocks)
+        assert len(blocks) == len(ubatches)         # one host copy a block, shared by its sites
+        for m in METRICS:
+            want = torch.cat([c[m] for c in chunks], 1).cpu()
+            assert joined[m].dtype == torch.float64 and joined[m].shape == want.shape
+            torch.testing.assert_close(joined[m], want, rtol=0, atol=0, equal_nan=True)
+        plain = [{m: v.clone() for m, v in c.items()} for c in chunks]
+        for a, b in zip(errors_cpu(plain, {}).values(), joined.values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
