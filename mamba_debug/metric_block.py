@@ -4,8 +4,8 @@ The fused metrics kernel (`_site_metrics.py`) writes the metrics of a layer's si
 after site, each as [4, S, T] rows in `METRICS` order. Cutting that block into four views a site as it is measured
 cost most of the host time of measuring at birth (235 of 287 us for a layer's 15 sites on the 2-core CPU machine;
 on the H200's host 0.1-0.2 s of a 2.8B prefill, time a traced run spends between the GPU's launches). A
-`SiteErrors` is the mapping metric -> [S, T] tensor that makes its views at the first read, and `cat_cpu` joins one
-site's ubatches on the host, moving each block there once instead of one transfer per site and metric.
+`SiteErrors` is the mapping metric -> [S, T] tensor that makes its views at the first read, and `errors_cpu` joins
+one site's ubatches on the host, moving each block there once instead of one transfer per site and metric.
 """
 from __future__ import annotations
 

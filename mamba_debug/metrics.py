@@ -34,7 +34,6 @@ from .metric_block import METRICS
 from .triton_env import exec_file, mode
 
 
-
 def site_errors(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
     """dev, ref [S, T, ...] -> each metric as [S, T] (float64, on ref's device).
 
