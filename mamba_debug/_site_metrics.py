@@ -288,20 +288,21 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     dev is moved to ref's device in its own dtype (the float64 conversion happens in the kernel). dev and ref must
     have the same S, T and number of elements per (s, t) (the torch version would broadcast a single element).
     config: BLOCK_X, ROWS, SPLIT, num_warps instead of `plan`'s (tests and benchmarks); without one, the pair is
-    `site_errors_sites`'s, so its bits are the same however it is measured."""
+    `site_errors_sites`'s, so its bits are the same however it is measured. A plain dict (one pair: its views cost
+    nothing worth saving; site_errors_sites hands out lazy `SiteErrors`)."""
     if config is None:
-        return site_errors_sites([(dev, ref)])[0]
+        return dict(site_errors_sites([(dev, ref)])[0])
     a, b = _prepared(dev, ref)
     la, lb = _row_layout(a), _row_layout(b)
     ready = [(la[0], lb[0])]
-    return _Plan(ready, [(la[1:], lb[1:])], config).run(ready)[0]
+    return dict(_Plan(ready, [(la[1:], lb[1:])], config).run(ready)[0])
 
 
 _PLANS: dict = {}                    # the pairs' signature -> their _Plan (site_errors_sites)
 MAX_PLANS = 512
 
 
-def site_errors_sites(pairs: list) -> list[dict]:
+def site_errors_sites(pairs: list) -> list:
     """`site_errors_fused` of many (dev, ref) pairs without stacking them: one `_sites_kernel` launch per group of
     pairs that share dtypes, block sizes and row layout, each row read in place and cut as `plan` cuts it alone
     (then one `_combine_kernel` launch): each pair's bits are those it gets alone, however the pairs are grouped.
@@ -393,7 +394,7 @@ class _Plan:
             meta=dict(A_TWO=a_two, A_VEC=a_vec, B_TWO=b_two, B_VEC=b_vec, X_VEC=max(a_vec, b_vec, 1), ROWS=rows,
                       BLOCK_X=block_x, num_warps=warps)))
 
-    def run(self, pairs: list) -> list[dict]:
+    def run(self, pairs: list) -> list:
         res = torch.empty(self.total, dtype=torch.float64, device=self.device) if self.total else None
         part = torch.empty(self.parts, dtype=torch.float64, device=self.device) if self.total else None
         with _on(self.device), _quiet():

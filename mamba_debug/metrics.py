@@ -117,7 +117,8 @@ def birth_pair(dev: torch.Tensor, dev_per_token: bool, ref: torch.Tensor, ref_pe
 
 
 def site_errors_many(pairs: list) -> list:
-    """`site_errors` of many (dev, ref) pairs: [dict, ...] in the pairs' order, the same values bit for bit.
+    """`site_errors` of many (dev, ref) pairs: [mapping, ...] in the pairs' order, the same values bit for bit (a
+    pair on a GPU: a `metric_block.SiteErrors`, its views made when read).
 
     * on the CPU with one torch thread (what a small model runs with, `backends.cpu_threads_for`) the pairs of one
       shape and dtypes are stacked: ~10 stacked torch passes per shape instead of ~25 tiny torch calls per site,
