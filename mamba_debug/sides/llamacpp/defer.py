@@ -110,7 +110,8 @@ class Copier:
 
     def __init__(self, lib):
         self.lib, dll = lib, lib.dll
-        known = hasattr(dll, "ggml_backend_buffer_is_host")     # without it, nothing is known of a buffer
+        # without ggml_backend_buffer_is_host nothing is known of a buffer: no deferral, every buffer taken as host
+        self.known = known = hasattr(dll, "ggml_backend_buffer_is_host")
         self.defer = os.environ.get("MAMBA_DEBUG_DEFER", "1") != "0" and known
         self.use_async = os.environ.get("MAMBA_DEBUG_ASYNC", "1") != "0" and known and \
             all(hasattr(dll, n) for n in ASYNC_SYMBOLS)
@@ -135,8 +136,7 @@ class Copier:
     def is_host(self, buf: int) -> bool:
         h = self.hosts.get(buf)
         if h is None:
-            h = self.hosts[buf] = bool(self.lib.dll.ggml_backend_buffer_is_host(buf)) \
-                if hasattr(self.lib.dll, "ggml_backend_buffer_is_host") else True
+            h = self.hosts[buf] = bool(self.lib.dll.ggml_backend_buffer_is_host(buf)) if self.known else True
         return h
 
     def backend_of(self, buf: int) -> int:

@@ -235,15 +235,15 @@ static void flush(md_state *s, void *due_tensor, md_step *due) {
    side of host and device, another split) is given up (`lost`): its site is not observed in this graph. */
 static void give_up_overlapped(md_state *s, void *t) {
     size_t n = s->nbytes(t);
-    uintptr_t w0 = *(uintptr_t *)((char *)t + s->data_off), w1 = w0 + n;
+    uintptr_t w0 = data_of(s, t), w1 = w0 + n;
     int32_t op = *(int32_t *)((char *)t + s->op_off);
     bool writes = n > 0 && (op < 0 || op > 255 || s->writes[op]);
-    void *buf = *(void **)((char *)t + s->buffer_off);
+    void *buf = buffer_of(s, t);
     int32_t host = buf != NULL && s->is_host(buf);
     int32_t kept = 0;
     for (int32_t i = 0; i < s->n_pending; i++) {
         md_pending p = s->pending[i];
-        uintptr_t p0 = *(uintptr_t *)((char *)p.tensor + s->data_off), p1 = p0 + p.step->nbytes;
+        uintptr_t p0 = data_of(s, p.tensor), p1 = p0 + p.step->nbytes;
         if ((writes && w0 < p1 && p0 < w1) || (buf != NULL && p.step->host >= 0 && host != p.step->host)) {
             *flags_of(s, p.tensor) = p.flags;
             if (s->n_lost < s->max_lost)
