@@ -29,12 +29,13 @@ import triton
 import triton.language as tl
 
 from mamba_debug.triton_launch import (Launch, cdiv as _cdiv, check as _check, check_device, helper_jit,
-                                       next_pow2 as _pow2, sm_count)
+                                       next_pow2 as _pow2)
 from mamba_debug.triton_env import exec_file
 
 NAME = "triton"
 DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
 SUPPORTS_STATES_OUT = True
+MEASURES_STATES = True       # ssm_scan(..., states_ref=ref): h_t measured against ref in the scan (_triton_measure.py)
 
 # Decided once, when the plug-in loader executes this file: `triton.jit` below then builds interpreted or
 # compiled kernels, and the launchers pick block sizes and check tensor devices to match.
@@ -58,6 +59,8 @@ _device_function = helper_jit(INTERPRET)     # the helpers below: plain function
 # softplus every schedule shares, so that they compute each element alike.
 _schedules = exec_file(Path(__file__).with_name("_triton_interpret.py"), f"{__name__}_interpret_schedules")
 _softplus, LOG2E = _schedules._softplus, _schedules.LOG2E
+_measure = exec_file(Path(__file__).with_name("_triton_measure.py"), f"{__name__}_measure")
+_measure_token, _first_ref = _measure.measure_token, _measure.first_ref
 NEG_INF = tl.constexpr(float("-inf"))
 
 # %%
@@ -166,10 +169,12 @@ def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, s
 
 
 @_device_function
-def _step(h, dsum, A, x, dt, B, C, y_p, so_p, j, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
-          SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, TILES: tl.constexpr):
+def _step(h, dsum, r, A, x, dt, B, C, y_p, so_p, rf_p, pp, stride_y_t, stride_so_t, stride_ref_t, PS, ST, j, n_tok,
+          mask_d, mask_dn, SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, HAS_STATES_REF: tl.constexpr,
+          TILES: tl.constexpr, PIECES: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token: h = exp(delta*A)*h + B*(delta*x), as llama.cpp's ssm_scan (x*delta first; A holds A*log2 e);
-    then y (or, in pass 1, the sum of the deltas) and h into states_out."""
+    then y (or, in pass 1, the sum of the deltas), h into states_out, h measured against states_ref (r: its tile
+    for this token, loaded a step before; the next token's comes back in its place)."""
     delta = _softplus(dt)
     decay_t = tl.exp2(_col(delta, TILES) * A)
     h = decay_t * h + _row(B, TILES) * _col(delta * x, TILES)
@@ -181,7 +186,9 @@ def _step(h, dsum, A, x, dt, B, C, y_p, so_p, j, n_tok, stride_y_t, stride_so_t,
         tl.store(y_p + j * stride_y_t, y.to(y_p.dtype.element_ty), mask=tl.where(ok, mask_d, False))
         if HAS_STATES_OUT:
             tl.store(so_p + j * stride_so_t, h.to(so_p.dtype.element_ty), mask=tl.where(ok, mask_dn, False))
-    return h, dsum
+        if HAS_STATES_REF:
+            r = _measure_token(h, r, rf_p, pp, j, n_tok, stride_ref_t, PS, ST, mask_dn, PIECES, BLOCK_D)
+    return h, dsum, r
 
 
 @triton.jit
@@ -190,9 +197,10 @@ def _ssm_scan_kernel(
     A_ptr, B_ptr, C_ptr,        # A [D, N], B [S, T, N], C [S, T, N] (read only)
     y_ptr, new_state_ptr,       # y [S, T, D], new ssm state [S, D, N]
     states_out_ptr,     # every h_t [S, T, D, N]; not touched unless HAS_STATES_OUT
+    ref_ptr, parts_ptr,  # states_ref [S, T, D, N], read, and h_t's sums against it [7, D / BLOCK_D, S * T] float64
     end_ptr,            # chunk summaries [S, N_CHUNKS, D, N], fp32 contiguous: the chunk's final state from h = 0
     decay_ptr,          # ... and the product of its decays, exp(A * sum of delta); unused when N_CHUNKS == 1
-    T, D, N, CHUNK_T, N_CHUNKS,     # sizes
+    T, D, N, CHUNK_T, N_CHUNKS, ST,     # sizes (ST = S * T)
     # strides, in elements
     stride_state_s, stride_state_d, stride_state_n,
     stride_x_s, stride_x_t, stride_x_d,
@@ -203,12 +211,15 @@ def _ssm_scan_kernel(
     stride_y_s, stride_y_t, stride_y_d,
     stride_new_s, stride_new_d, stride_new_n,
     stride_so_s, stride_so_t, stride_so_d, stride_so_n,
+    stride_ref_s, stride_ref_t, stride_ref_d, stride_ref_n,
     # meta-parameters
     SUMMARY: tl.constexpr,          # pass 1 of a chunked scan: write the chunk summaries, no y
     SLOTS: tl.constexpr,            # 1 or 4 tokens in flight (loaded SLOTS tokens before their step)
     TILES: tl.constexpr,            # per-channel and per-state values as [BLOCK_D, 1] and [1, BLOCK_N] tiles
     CHUNKED: tl.constexpr,          # N_CHUNKS > 1
     HAS_STATES_OUT: tl.constexpr,   # write every h_t into states_out
+    HAS_STATES_REF: tl.constexpr,   # measure every h_t against states_ref (kernels/_triton_measure.py)
+    PIECES: tl.constexpr,           # ... into this many pieces per program (channel groups)
     BLOCK_D: tl.constexpr,          # channels per program
     BLOCK_N: tl.constexpr,          # N rounded up to a power of two; padded lanes stay exactly 0
 ):
@@ -261,8 +272,12 @@ def _ssm_scan_kernel(
     B_p = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n + t * stride_B_t
     C_p = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n + t * stride_C_t
     y_p = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d + t * stride_y_t
-    out = (y_p, states_out_ptr + pid_s * stride_so_s + rows * stride_so_d + _row(offs_n, TILES) * stride_so_n
-           + t * stride_so_t)    # where y and states_out get token 0
+    tile = rows * stride_so_d + _row(offs_n, TILES) * stride_so_n    # where y, states_out, states_ref, the sums
+    ref_tile = rows * stride_ref_d + _row(offs_n, TILES) * stride_ref_n   # of this program have token 0
+    out = (y_p, states_out_ptr + pid_s * stride_so_s + tile + t * stride_so_t,
+           ref_ptr + pid_s * stride_ref_s + ref_tile + t * stride_ref_t,
+           parts_ptr + pid_d * PIECES * ST + pid_s * T + t,
+           stride_y_t, stride_so_t, stride_ref_t, (D + BLOCK_D - 1) // BLOCK_D * PIECES * ST, ST)
     strides_t = (stride_x_t, stride_dt_t, stride_B_t, stride_C_t)
     # SLOTS tokens in flight: the loop is unrolled SLOTS times, each slot read SLOTS steps after its load (a rotation
     # x0, x1 = x1, x_next waits on each load a step after issuing it: 1.1-1.5k clocks a step on an H200). `while`:
@@ -272,20 +287,23 @@ def _ssm_scan_kernel(
         x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, 1, n_tok, *strides_t, mask_d, mask_n)
         x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, 2, n_tok, *strides_t, mask_d, mask_n)
         x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, 3, n_tok, *strides_t, mask_d, mask_n)
+    r = 0.0                     # the reference's tile of the next token to measure, loaded a step ahead
+    if HAS_STATES_REF and not SUMMARY:
+        r = _first_ref(out[2], n_tok, mask_dn)
     i = 0
     while i < n_tok:
-        h, dsum = _step(h, dsum, A, x0, dt0, B0, C0, *out, i, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
-                         SUMMARY, HAS_STATES_OUT, TILES)
+        h, dsum, r = _step(h, dsum, r, A, x0, dt0, B0, C0, *out, i, n_tok, mask_d, mask_dn, SUMMARY, HAS_STATES_OUT,
+                         HAS_STATES_REF, TILES, PIECES, BLOCK_D)
         x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, i + SLOTS, n_tok, *strides_t, mask_d, mask_n)
         if SLOTS == 4:
-            h, dsum = _step(h, dsum, A, x1, dt1, B1, C1, *out, i + 1, n_tok, stride_y_t, stride_so_t, mask_d,
-                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
+            h, dsum, r = _step(h, dsum, r, A, x1, dt1, B1, C1, *out, i + 1, n_tok, mask_d, mask_dn, SUMMARY,
+                             HAS_STATES_OUT, HAS_STATES_REF, TILES, PIECES, BLOCK_D)
             x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + 5, n_tok, *strides_t, mask_d, mask_n)
-            h, dsum = _step(h, dsum, A, x2, dt2, B2, C2, *out, i + 2, n_tok, stride_y_t, stride_so_t, mask_d,
-                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
+            h, dsum, r = _step(h, dsum, r, A, x2, dt2, B2, C2, *out, i + 2, n_tok, mask_d, mask_dn, SUMMARY,
+                             HAS_STATES_OUT, HAS_STATES_REF, TILES, PIECES, BLOCK_D)
             x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + 6, n_tok, *strides_t, mask_d, mask_n)
-            h, dsum = _step(h, dsum, A, x3, dt3, B3, C3, *out, i + 3, n_tok, stride_y_t, stride_so_t, mask_d,
-                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
+            h, dsum, r = _step(h, dsum, r, A, x3, dt3, B3, C3, *out, i + 3, n_tok, mask_d, mask_dn, SUMMARY,
+                             HAS_STATES_OUT, HAS_STATES_REF, TILES, PIECES, BLOCK_D)
             x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + 7, n_tok, *strides_t, mask_d, mask_n)
         i += SLOTS
 
@@ -302,70 +320,9 @@ def _ssm_scan_kernel(
 
 
 # %%
-# Launch parameters
-# -----------------
-# The one place that differs between the GPU and the interpreter. Block sizes change speed, not the arithmetic:
-# every output element is the same sum in the same order whatever the blocks are. Two exceptions, both rounding
-# only: compiled, the scan's sum over N may be split across threads differently for other blocks or strides; and
-# a scan cut into time chunks carries the state chunk to chunk (P h + E) instead of token to token.
-
-def _conv_config(S: int, T: int, D: int, device=None) -> dict:
-    """Block sizes and warps of ssm_conv on an [S, T, D] input.
-
-    Interpreter: each program instance costs a large fixed Python overhead (a 64-token scan at D=512 took
-    2.2 s with 64-channel blocks, 0.3 s with one 512-channel block), so use as few programs as possible."""
-    if INTERPRET and T == 1:    # decode: the one-token kernel, sequences and channels in one block (<= 2**20)
-        return dict(schedule="one_token", BLOCK_S=min(_pow2(S), max(1, 2 ** 18 // _pow2(D))), BLOCK_D=_pow2(D),
-                    num_warps=1)
-    if INTERPRET:
-        block_d = min(_pow2(D), 1024)
-        block_t = min(_pow2(T), max(1, 2 ** 16 // block_d))   # tiles up to 64K elements
-        return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=1)
-    # Long prompts: 64 channels x 32 tokens x the K taps, 4 warps, the best of 108 plans on an H200 (26.0 us at
-    # d_inner 5120, L 2048, batch 1; benchmarks/results/h200_tuning_run1.json, now in git history). Short ubatches
-    # and decode keep 128-channel rows (1.6 us per decode step at batch 1).
-    block_d, block_t = (64, 32) if T >= 32 else (128, _pow2(T))
-    return dict(BLOCK_D=block_d, BLOCK_T=block_t, num_warps=max(1, min(4, block_d * block_t * 4 // 512)))
-
-
-# Tokens per tile of the interpreter's prompt schedule: larger tiles pay the per-tile operations fewer times (a
-# 64-token scan at d_inner 256: 41-44 ms with one 64-token tile, 47-50 ms with four of 16).
-TILE_T_MAX = 64
-
-
-# A chunk of the GPU scan is never shorter than this many tokens: shorter chunks add carry work (and a second
-# exp per token) for parallelism that is already there.
-MIN_CHUNK_T = 64
-
-
-def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
-    """How ssm_scan runs an [S, T, D] x N problem: the schedule, its blocks and, on a GPU, the time chunks.
-
-    Interpreter (kernels/_triton_interpret.py): one token, one program per sequence; more, the tiled schedule,
-    one program for up to 1024 channels, up to TILE_T_MAX tokens prepared at once.
-    GPU: the step schedule with small channel blocks; when S * D / BLOCK_D programs cannot fill the SMs a few
-    times over (a long prompt at batch 1), the prompt is also cut into chunks that run in parallel."""
-    block_n = _pow2(N)
-    if INTERPRET and T == 1:    # decode (ubatch 1): one step, one program per sequence
-        return dict(schedule="one_token", BLOCK_D=_pow2(D), n_chunks=1, num_warps=1)
-    if INTERPRET:
-        return dict(schedule="tiled", BLOCK_D=min(_pow2(D), 1024), n_chunks=1, TILE_T=min(_pow2(T), TILE_T_MAX),
-                    num_warps=1)
-    sms = sm_count(device)
-    if T < 4:
-        # decode: the largest channel block that still gives about two programs per SM (1.7 us per decode step at
-        # batch 1, 11.4 us at batch 64 on an H200)
-        block_d = next((b for b in (64, 32) if S * _cdiv(D, b) >= 2 * sms), 16)
-        return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, SLOTS=1, TILES=False,
-                    num_warps=max(1, min(8, block_d * block_n // 512)))
-    # Prompts (research/scan_rows/: plans timed on an H200 on 2026-12-02): one-warp programs of 32 channels, four
-    # tokens in flight. Short ubatches, and many sequences (which fill the GPU on their own), run in one pass; a long
-    # prompt of a few sequences is also cut into chunks, up to 30 programs per SM (two waves at most: a chunk's walk
-    # is long, the wave's tail short). At d_inner 5120: L 2048 batch 8 in one pass 845 us (1102 before); batch 1,
-    # 24 chunks 166 us (188); L 8192 600 us (722). d_inner 1536, L 2048, 32 chunks 64 us (86).
-    programs = S * _cdiv(D, 32)
-    n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 30 * sms // programs))
-    return dict(schedule="steps", BLOCK_D=32, n_chunks=n_chunks, SLOTS=4, TILES=True, num_warps=1)
+# Launch parameters: kernels/_triton_plans.py (the one place that differs between the GPU and the interpreter)
+_plans = exec_file(Path(__file__).with_name("_triton_plans.py"), f"{__name__}_plans")
+_conv_config, scan_plan = _plans.conv_config, _plans.scan_plan
 
 
 # %%
@@ -419,9 +376,12 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *,
 
 
 def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-             B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None, plan: dict | None = None):
+             B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None,
+             states_ref: torch.Tensor | None = None, plan: dict | None = None):
     """Selective scan of one ubatch; see the module docstring for shapes.
 
+    states_ref [S, T, D, N]: every h_t is also measured against it, in the kernel (kernels/_triton_measure.py), and
+    the sums come back third: (y, new_state, sums [7, pieces, S, T] float64). The step schedule does it.
     plan: how to run it (see `scan_plan`, the default); tests and benchmarks pass one to force a schedule."""
     S, T, D = x.shape
     N = A.shape[-1]
@@ -437,13 +397,16 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     _check_device("ssm_scan", ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C,
                   **({} if states_out is None else {"states_out": states_out}))
 
+    plan = dict(plan) if plan is not None else scan_plan(S, T, D, N, device=x.device, measured=states_ref is not None)
+    _check("ssm_scan", states_ref is None or plan["schedule"] == "steps", "states_ref needs the step schedule", x=x)
+    ref, sums = _measure.sums_for(states_ref, x, N, plan["BLOCK_D"], plan.get("MEASURE_PIECES", 1))
     y = _empty((S, T, D), x)
     new_state = _empty((S, D, N), ssm_state)
+    done = (y, new_state) if ref is None else (y, new_state, sums.view(sums.shape[0], -1, S, T))
     if T == 0:
         new_state.copy_(ssm_state)
-        return y, new_state
-    plan = dict(plan) if plan is not None else scan_plan(S, T, D, N, device=x.device)
-    # Without states_out the kernels still need a pointer argument; it is never dereferenced.
+        return done
+    # Without states_out (states_ref) the kernels still need a pointer argument; it is never dereferenced.
     so, so_strides = (states_out, states_out.stride()) if states_out is not None else (new_state, (0, 0, 0, 0))
     tensors = (ssm_state, x, dt, A, B, C, y, new_state, so)
     meta = dict(HAS_STATES_OUT=states_out is not None, BLOCK_D=plan["BLOCK_D"], BLOCK_N=_pow2(N),
@@ -454,7 +417,7 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
             *_but_t(y), *new_state.stride(), *_but_t(so_strides)),
             dict(meta, **_schedules.scan_one_token_layout(plan["BLOCK_D"], meta["BLOCK_N"], ssm_state, x, dt, A, B, C,
                                                            y, new_state, states_out)))
-        return y, new_state
+        return done
     strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
                *y.stride(), *new_state.stride(), *so_strides)
     n_blocks = _cdiv(D, plan["BLOCK_D"])
@@ -462,9 +425,11 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
         tile = plan["TILE_T"]       # scratch zeros: the rows a one-tile prompt does not reach are read, masked off
         hs = torch.zeros((S, n_blocks, tile, plan["BLOCK_D"], meta["BLOCK_N"]), dtype=torch.float32, device=x.device)
         _launch_tiled((S, n_blocks), (*tensors, hs), (T, D, N, *strides), dict(meta, TILE_T=tile, STEPS=min(T, tile)))
-        return y, new_state
-    _scan_steps(plan, S, T, D, N, tensors, strides, meta)
-    return y, new_state
+        return done
+    measured = (ref, sums) if ref is not None else (new_state, new_state)
+    _scan_steps(plan, S, T, D, N, tensors + measured, (*strides, *(ref.stride() if ref is not None else (0,) * 4)),
+                dict(meta, HAS_STATES_REF=ref is not None, PIECES=plan.get("MEASURE_PIECES", 1)))
+    return done
 
 
 def _but_t(t) -> tuple:
@@ -481,7 +446,7 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
     new_state = tensors[7]
     summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=new_state.device) if n_chunks > 1
                  else new_state.new_empty((2, 1)))
-    args = ((*tensors, summaries[0], summaries[1]), (T, D, N, chunk_t, n_chunks, *strides))
+    args = ((*tensors, summaries[0], summaries[1]), (T, D, N, chunk_t, n_chunks, S * T, *strides))
     meta = dict(meta, SLOTS=int(plan.get("SLOTS", 1)), TILES=bool(plan.get("TILES", True)), CHUNKED=n_chunks > 1,
                 SUMMARY=True)
     n_blocks = _cdiv(D, plan["BLOCK_D"])
