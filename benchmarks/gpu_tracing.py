@@ -14,7 +14,6 @@ import torch
 
 from gpu_common import (CUDA, GB, error_row, free_memory, log, median_time, paired_times, peak_gpu,  # noqa: E402
                         prefill, reset_peak, sync)
-from mamba_debug.arch import StateSums  # noqa: E402
 from mamba_debug.compare import ubatch_capture_bytes  # noqa: E402
 from mamba_debug.metrics import METRICS, site_errors_many  # noqa: E402
 from mamba_debug.model import Runner  # noqa: E402
@@ -27,14 +26,11 @@ class Tap:
 
     def __init__(self, inner=None, sites=None):
         self.inner, self.sites, self.bytes = inner, sites, 0
-        if hasattr(inner, "state_reference"):     # the Runner asks its observer, this Tap, for reference states
-            self.state_reference = inner.state_reference
 
     def site(self, layer, site, value, per_token):
         if self.inner is None or self.sites is not None and site not in self.sites:
             return
-        counted = value.sums if isinstance(value, StateSums) else value      # a state measured in its scan: its sums
-        self.bytes += counted.numel() * counted.element_size()
+        self.bytes += value.numel() * value.element_size()
         self.inner.site(layer, site, value, per_token)
 
 
@@ -91,35 +87,6 @@ class AtBirth(_Capture):
         self.kept.append(super().take())
 
 
-class AtBirthInScan(AtBirth):
-    """AtBirth with the engine's path for the per-token SSM states when the kernels can measure them (the default
-    Triton scan: `states_ref`): the scan reads a reference state per token and hands over its sums; nothing of the
-    state is written. There is no reference side here, so each layer gets a distinct float32 tensor of the states'
-    shape (made once; the engine's reference is a real one, float64 by default: twice these bytes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict = {}
-
-    def state_reference(self, layer, name):
-        return self.refs.get((layer, name))
-
-    def reference_for(self, model, ubatch: int):
-        c = model.config
-        for i in range(c.n_layer):
-            self.refs[(i, "ssm_state")] = torch.randn(1, ubatch, c.d_inner, c.d_state, device=model_device())
-
-    def site(self, layer, site, value, per_token):
-        if isinstance(value, StateSums):
-            self.against = {(layer, site): (self.refs[(layer, site)], True)}
-            return _Capture.site(self, layer, site, value, per_token)
-        super().site(layer, site, value, per_token)
-
-
-def model_device():
-    return "cuda" if CUDA else "cpu"
-
-
 def tracing_levels(dev) -> list[dict]:
     """The capture levels, cheapest first. what; backend; tap (the hook); after (run after each ubatch, as the
     engine takes its capture there); to_host (bytes cross to the host); keep (kept for the whole prefill);
@@ -127,7 +94,7 @@ def tracing_levels(dev) -> list[dict]:
     no_states_out = dataclasses.replace(dev, ops=OpTable(dev.ops.name, dev.ops.ops, supports_states_out=False))
     gpu, keep, states, pinned, pageable = (_Capture(to_host=False), KeepOnDevice(), _Capture(), _Capture(),
                                           PageableCapture())
-    born, in_scan = AtBirth(), AtBirthInScan()
+    born = AtBirth()
     host = "pinned host memory, non-blocking, one sync per ubatch" if CUDA else "the CPU (no GPU: plain copies)"
     level = dict(backend=dev, after=None, to_host=False, keep=None, once=False, check=False)
     return [
@@ -142,9 +109,6 @@ def tracing_levels(dev) -> list[dict]:
                           f"{'the fused kernel, read in place' if CUDA else 'the torch version'} as the next layer "
                           "starts (against themselves: no reference here), nothing copied, metrics kept on the device",
          "tap": Tap(born), "after": born.take, "keep": born},
-        {**level, "what": "capture='metrics' device half, measured at birth, per-token SSM states measured in the scan "
-                          "(against a distinct float32 reference per layer, never written out), the other sites as "
-                          "above", "tap": Tap(in_scan), "after": in_scan.take, "keep": in_scan, "refs": in_scan},
         {**level, "what": "keep resid, y_scan (every layer) and logits on the device for the whole prefill",
          "tap": Tap(keep, {"resid", "y_scan", "logits"}), "keep": keep},
         {**level, "what": f"per-token SSM states (states_out) to {host}", "tap": Tap(states, {"ssm_state"}),
@@ -219,8 +183,6 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
             log(f"  skipped ({reason}): {lv['what']}")
             continue
         tap, keep = lv["tap"], lv["keep"]
-        if lv.get("refs") is not None:
-            lv["refs"].reference_for(model, ubatch)
         runner = Runner(model, lv["backend"], observer=tap)
 
         def run():
@@ -256,8 +218,6 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
             rows.append(error_row("tracing", lv["what"], exc))
         if keep is not None:
             keep.kept.clear()
-        if lv.get("refs") is not None:
-            lv["refs"].refs.clear()
         runner = None
         free_memory(host_cache=False)
     return rows

@@ -28,9 +28,8 @@ def goals() -> list:
     if e2e:
         rows = e2e["rows"]
         metric_rows = [r for r in rows if r["part"] == "tracing" and "capture='metrics'" in r["what"]]
-        # the engine's path now: measured at birth, the states in the scan (the other levels kept for comparison)
-        tr = next((r for r in metric_rows if "measured in the scan" in r["what"] and "ratio" in r),
-                  next((r for r in metric_rows if "measured at birth" in r["what"]), metric_rows[0] if metric_rows else None))
+        # the engine's path now: measured at birth (the copied level is kept for comparison)
+        tr = next((r for r in metric_rows if "measured at birth" in r["what"]), metric_rows[0] if metric_rows else None)
         if tr:
             out.append(("1 metrics-only tracing, 2.8B (H200)", tr["ratio"], 1.1, "x untraced", tr.get("date")))
         runs = [r for r in rows if r["part"] == "e2e" and "reference on cuda" in r["what"]]

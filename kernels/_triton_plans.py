@@ -1,7 +1,8 @@
 """kernels/triton.py's launch parameters: how `ssm_conv` and `ssm_scan` cut their work, by device and size.
 
 Not a plug-in (the leading underscore keeps it off the list): kernels/triton.py executes it and re-exports
-`scan_plan` (benchmarks call it to see the default plan).
+`scan_plan` (benchmarks call it to see the default plan). A file of its own so that triton.py has room below the
+500-line cap for its launchers' host work.
 """
 import os
 
@@ -43,18 +44,14 @@ TILE_T_MAX = 64
 MIN_CHUNK_T = 64
 
 
-def scan_plan(S: int, T: int, D: int, N: int, device=None, measured: bool = False) -> dict:
+def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
     """How ssm_scan runs an [S, T, D] x N problem: the schedule, its blocks and, on a GPU, the time chunks.
 
     Interpreter (kernels/_triton_interpret.py): one token, one program per sequence; more, the tiled schedule,
     one program for up to 1024 channels, up to TILE_T_MAX tokens prepared at once.
     GPU: the step schedule with small channel blocks; when S * D / BLOCK_D programs cannot fill the SMs a few
-    times over (a long prompt at batch 1), the prompt is also cut into chunks that run in parallel.
-    measured (states_ref given): the step schedule, which measures the states (interpreter: one program per
-    sequence, channels in one block)."""
+    times over (a long prompt at batch 1), the prompt is also cut into chunks that run in parallel."""
     block_n = _pow2(N)
-    if INTERPRET and measured:
-        return dict(schedule="steps", BLOCK_D=min(_pow2(D), 1024), n_chunks=1, SLOTS=1, TILES=False, num_warps=1)
     if INTERPRET and T == 1:    # decode (ubatch 1): one step, one program per sequence
         return dict(schedule="one_token", BLOCK_D=_pow2(D), n_chunks=1, num_warps=1)
     if INTERPRET:

@@ -35,7 +35,6 @@ from mamba_debug.triton_env import exec_file
 NAME = "triton"
 DESCRIPTION = "Triton ssm_conv and ssm_scan, and Mamba-2's ssd_scan and rms_norm_gated (the default device kernels)"
 SUPPORTS_STATES_OUT = True
-MEASURES_STATES = True       # ssm_scan(..., states_ref=ref): h_t measured against ref in the scan (_triton_measure.py)
 
 # Decided once, when the plug-in loader executes this file: `triton.jit` below then builds interpreted or
 # compiled kernels, and the launchers pick block sizes and check tensor devices to match.
@@ -59,8 +58,6 @@ _device_function = helper_jit(INTERPRET)     # the helpers below: plain function
 # softplus every schedule shares, so that they compute each element alike.
 _schedules = exec_file(Path(__file__).with_name("_triton_interpret.py"), f"{__name__}_interpret_schedules")
 _softplus, LOG2E = _schedules._softplus, _schedules.LOG2E
-_measure = exec_file(Path(__file__).with_name("_triton_measure.py"), f"{__name__}_measure")
-_measure_token, _first_ref = _measure.measure_token, _measure.first_ref
 NEG_INF = tl.constexpr(float("-inf"))
 
 # %%
@@ -169,12 +166,10 @@ def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, s
 
 
 @_device_function
-def _step(h, dsum, r, A, x, dt, B, C, y_p, so_p, rf_p, pp, stride_y_t, stride_so_t, stride_ref_t, PS, ST, j, n_tok,
-          mask_d, mask_dn, SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, HAS_STATES_REF: tl.constexpr,
-          TILES: tl.constexpr, PIECES: tl.constexpr, BLOCK_D: tl.constexpr):
+def _step(h, dsum, A, x, dt, B, C, y_p, so_p, j, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
+          SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, TILES: tl.constexpr):
     """One token: h = exp(delta*A)*h + B*(delta*x), as llama.cpp's ssm_scan (x*delta first; A holds A*log2 e);
-    then y (or, in pass 1, the sum of the deltas), h into states_out, h measured against states_ref (r: its tile
-    for this token, loaded a step before; the next token's comes back in its place)."""
+    then y (or, in pass 1, the sum of the deltas) and h into states_out."""
     delta = _softplus(dt)
     decay_t = tl.exp2(_col(delta, TILES) * A)
     h = decay_t * h + _row(B, TILES) * _col(delta * x, TILES)
@@ -186,9 +181,7 @@ def _step(h, dsum, r, A, x, dt, B, C, y_p, so_p, rf_p, pp, stride_y_t, stride_so
         tl.store(y_p + j * stride_y_t, y.to(y_p.dtype.element_ty), mask=tl.where(ok, mask_d, False))
         if HAS_STATES_OUT:
             tl.store(so_p + j * stride_so_t, h.to(so_p.dtype.element_ty), mask=tl.where(ok, mask_dn, False))
-        if HAS_STATES_REF:
-            r = _measure_token(h, r, rf_p, pp, j, n_tok, stride_ref_t, PS, ST, mask_dn, PIECES, BLOCK_D)
-    return h, dsum, r
+    return h, dsum
 
 
 @triton.jit
@@ -197,10 +190,9 @@ def _ssm_scan_kernel(
     A_ptr, B_ptr, C_ptr,        # A [D, N], B [S, T, N], C [S, T, N] (read only)
     y_ptr, new_state_ptr,       # y [S, T, D], new ssm state [S, D, N]
     states_out_ptr,     # every h_t [S, T, D, N]; not touched unless HAS_STATES_OUT
-    ref_ptr, parts_ptr,  # states_ref [S, T, D, N], read, and h_t's sums against it [7, D / BLOCK_D, S * T] float64
     end_ptr,            # chunk summaries [S, N_CHUNKS, D, N], fp32 contiguous: the chunk's final state from h = 0
     decay_ptr,          # ... and the product of its decays, exp(A * sum of delta); unused when N_CHUNKS == 1
-    T, D, N, CHUNK_T, N_CHUNKS, ST,     # sizes (ST = S * T)
+    T, D, N, CHUNK_T, N_CHUNKS,     # sizes
     # strides, in elements
     stride_state_s, stride_state_d, stride_state_n,
     stride_x_s, stride_x_t, stride_x_d,
@@ -211,15 +203,12 @@ def _ssm_scan_kernel(
     stride_y_s, stride_y_t, stride_y_d,
     stride_new_s, stride_new_d, stride_new_n,
     stride_so_s, stride_so_t, stride_so_d, stride_so_n,
-    stride_ref_s, stride_ref_t, stride_ref_d, stride_ref_n,
     # meta-parameters
     SUMMARY: tl.constexpr,          # pass 1 of a chunked scan: write the chunk summaries, no y
     SLOTS: tl.constexpr,            # 1 or 4 tokens in flight (loaded SLOTS tokens before their step)
     TILES: tl.constexpr,            # per-channel and per-state values as [BLOCK_D, 1] and [1, BLOCK_N] tiles
     CHUNKED: tl.constexpr,          # N_CHUNKS > 1
     HAS_STATES_OUT: tl.constexpr,   # write every h_t into states_out
-    HAS_STATES_REF: tl.constexpr,   # measure every h_t against states_ref (kernels/_triton_measure.py)
-    PIECES: tl.constexpr,           # ... into this many pieces per program (channel groups)
     BLOCK_D: tl.constexpr,          # channels per program
     BLOCK_N: tl.constexpr,          # N rounded up to a power of two; padded lanes stay exactly 0
 ):
@@ -272,12 +261,8 @@ def _ssm_scan_kernel(
     B_p = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n + t * stride_B_t
     C_p = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n + t * stride_C_t
     y_p = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d + t * stride_y_t
-    tile = rows * stride_so_d + _row(offs_n, TILES) * stride_so_n    # where y, states_out, states_ref, the sums
-    ref_tile = rows * stride_ref_d + _row(offs_n, TILES) * stride_ref_n   # of this program have token 0
-    out = (y_p, states_out_ptr + pid_s * stride_so_s + tile + t * stride_so_t,
-           ref_ptr + pid_s * stride_ref_s + ref_tile + t * stride_ref_t,
-           parts_ptr + pid_d * PIECES * ST + pid_s * T + t,
-           stride_y_t, stride_so_t, stride_ref_t, (D + BLOCK_D - 1) // BLOCK_D * PIECES * ST, ST)
+    out = (y_p, states_out_ptr + pid_s * stride_so_s + rows * stride_so_d + _row(offs_n, TILES) * stride_so_n
+           + t * stride_so_t)    # where y and states_out get token 0
     strides_t = (stride_x_t, stride_dt_t, stride_B_t, stride_C_t)
     # SLOTS tokens in flight: the loop is unrolled SLOTS times, each slot read SLOTS steps after its load (a rotation
     # x0, x1 = x1, x_next waits on each load a step after issuing it: 1.1-1.5k clocks a step on an H200). `while`:
@@ -287,23 +272,20 @@ def _ssm_scan_kernel(
         x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, 1, n_tok, *strides_t, mask_d, mask_n)
         x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, 2, n_tok, *strides_t, mask_d, mask_n)
         x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, 3, n_tok, *strides_t, mask_d, mask_n)
-    r = 0.0                     # the reference's tile of the next token to measure, loaded a step ahead
-    if HAS_STATES_REF and not SUMMARY:
-        r = _first_ref(out[2], n_tok, mask_dn)
     i = 0
     while i < n_tok:
-        h, dsum, r = _step(h, dsum, r, A, x0, dt0, B0, C0, *out, i, n_tok, mask_d, mask_dn, SUMMARY, HAS_STATES_OUT,
-                         HAS_STATES_REF, TILES, PIECES, BLOCK_D)
+        h, dsum = _step(h, dsum, A, x0, dt0, B0, C0, *out, i, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
+                         SUMMARY, HAS_STATES_OUT, TILES)
         x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, i + SLOTS, n_tok, *strides_t, mask_d, mask_n)
         if SLOTS == 4:
-            h, dsum, r = _step(h, dsum, r, A, x1, dt1, B1, C1, *out, i + 1, n_tok, mask_d, mask_dn, SUMMARY,
-                             HAS_STATES_OUT, HAS_STATES_REF, TILES, PIECES, BLOCK_D)
+            h, dsum = _step(h, dsum, A, x1, dt1, B1, C1, *out, i + 1, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
             x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + 5, n_tok, *strides_t, mask_d, mask_n)
-            h, dsum, r = _step(h, dsum, r, A, x2, dt2, B2, C2, *out, i + 2, n_tok, mask_d, mask_dn, SUMMARY,
-                             HAS_STATES_OUT, HAS_STATES_REF, TILES, PIECES, BLOCK_D)
+            h, dsum = _step(h, dsum, A, x2, dt2, B2, C2, *out, i + 2, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
             x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + 6, n_tok, *strides_t, mask_d, mask_n)
-            h, dsum, r = _step(h, dsum, r, A, x3, dt3, B3, C3, *out, i + 3, n_tok, mask_d, mask_dn, SUMMARY,
-                             HAS_STATES_OUT, HAS_STATES_REF, TILES, PIECES, BLOCK_D)
+            h, dsum = _step(h, dsum, A, x3, dt3, B3, C3, *out, i + 3, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
             x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + 7, n_tok, *strides_t, mask_d, mask_n)
         i += SLOTS
 
@@ -376,12 +358,9 @@ def ssm_conv(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *,
 
 
 def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-             B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None,
-             states_ref: torch.Tensor | None = None, plan: dict | None = None):
+             B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None, plan: dict | None = None):
     """Selective scan of one ubatch; see the module docstring for shapes.
 
-    states_ref [S, T, D, N]: every h_t is also measured against it, in the kernel (kernels/_triton_measure.py), and
-    the sums come back third: (y, new_state, sums [7, pieces, S, T] float64). The step schedule does it.
     plan: how to run it (see `scan_plan`, the default); tests and benchmarks pass one to force a schedule."""
     S, T, D = x.shape
     N = A.shape[-1]
@@ -397,16 +376,13 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     _check_device("ssm_scan", ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C,
                   **({} if states_out is None else {"states_out": states_out}))
 
-    plan = dict(plan) if plan is not None else scan_plan(S, T, D, N, device=x.device, measured=states_ref is not None)
-    _check("ssm_scan", states_ref is None or plan["schedule"] == "steps", "states_ref needs the step schedule", x=x)
-    ref, sums = _measure.sums_for(states_ref, x, N, plan["BLOCK_D"], plan.get("MEASURE_PIECES", 1))
     y = _empty((S, T, D), x)
     new_state = _empty((S, D, N), ssm_state)
-    done = (y, new_state) if ref is None else (y, new_state, sums.view(sums.shape[0], -1, S, T))
     if T == 0:
         new_state.copy_(ssm_state)
-        return done
-    # Without states_out (states_ref) the kernels still need a pointer argument; it is never dereferenced.
+        return y, new_state
+    plan = dict(plan) if plan is not None else scan_plan(S, T, D, N, device=x.device)
+    # Without states_out the kernels still need a pointer argument; it is never dereferenced.
     so, so_strides = (states_out, states_out.stride()) if states_out is not None else (new_state, (0, 0, 0, 0))
     tensors = (ssm_state, x, dt, A, B, C, y, new_state, so)
     meta = dict(HAS_STATES_OUT=states_out is not None, BLOCK_D=plan["BLOCK_D"], BLOCK_N=_pow2(N),
@@ -417,7 +393,7 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
             *_but_t(y), *new_state.stride(), *_but_t(so_strides)),
             dict(meta, **_schedules.scan_one_token_layout(plan["BLOCK_D"], meta["BLOCK_N"], ssm_state, x, dt, A, B, C,
                                                            y, new_state, states_out)))
-        return done
+        return y, new_state
     strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
                *y.stride(), *new_state.stride(), *so_strides)
     n_blocks = _cdiv(D, plan["BLOCK_D"])
@@ -425,11 +401,9 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
         tile = plan["TILE_T"]       # scratch zeros: the rows a one-tile prompt does not reach are read, masked off
         hs = torch.zeros((S, n_blocks, tile, plan["BLOCK_D"], meta["BLOCK_N"]), dtype=torch.float32, device=x.device)
         _launch_tiled((S, n_blocks), (*tensors, hs), (T, D, N, *strides), dict(meta, TILE_T=tile, STEPS=min(T, tile)))
-        return done
-    measured = (ref, sums) if ref is not None else (new_state, new_state)
-    _scan_steps(plan, S, T, D, N, tensors + measured, (*strides, *(ref.stride() if ref is not None else (0,) * 4)),
-                dict(meta, HAS_STATES_REF=ref is not None, PIECES=plan.get("MEASURE_PIECES", 1)))
-    return done
+        return y, new_state
+    _scan_steps(plan, S, T, D, N, tensors, strides, meta)
+    return y, new_state
 
 
 def _but_t(t) -> tuple:
@@ -446,7 +420,7 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
     new_state = tensors[7]
     summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=new_state.device) if n_chunks > 1
                  else new_state.new_empty((2, 1)))
-    args = ((*tensors, summaries[0], summaries[1]), (T, D, N, chunk_t, n_chunks, S * T, *strides))
+    args = ((*tensors, summaries[0], summaries[1]), (T, D, N, chunk_t, n_chunks, *strides))
     meta = dict(meta, SLOTS=int(plan.get("SLOTS", 1)), TILES=bool(plan.get("TILES", True)), CHUNKED=n_chunks > 1,
                 SUMMARY=True)
     n_blocks = _cdiv(D, plan["BLOCK_D"])

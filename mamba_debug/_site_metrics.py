@@ -25,7 +25,6 @@ ubatch, the per-token states) is combined by a second kernel walking the pieces 
 bits, however the pairs are grouped.
 """
 import contextlib
-import functools
 import os
 
 import numpy as np
@@ -297,26 +296,6 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     la, lb = _row_layout(a), _row_layout(b)
     ready = [(la[0], lb[0])]
     return dict(_Plan(ready, [(la[1:], lb[1:])], config).run(ready)[0])
-
-
-def errors_of_sums(sums: torch.Tensor) -> SiteErrors:
-    """A site measured by its op (kernels/_triton_measure.py: the scan's states): its sums [N_PARTS, pieces, S, T]
-    (float64, contiguous, in _row_sums' order) -> its metrics, the pieces combined in order as a long row's are."""
-    _, split, S, T = sums.shape
-    R = S * T
-    res = torch.empty(4 * R, dtype=torch.float64, device=sums.device)
-    if R:
-        table = _sums_table(R, split, sums.device)
-        with _on(sums.device), _quiet():
-            _launch_combine((cdiv(R, BLOCK_R),), (table, sums, res), (1,),
-                            dict(BLOCK_R=BLOCK_R, num_warps=1 if INTERPRET else 4))
-    return SiteErrors(res, 0, (S, T))
-
-
-@functools.lru_cache(maxsize=64)
-def _sums_table(R: int, split: int, device) -> torch.Tensor:
-    """The combine table of one site's sums (COMBINE_FIELDS), on the device once per shape."""
-    return torch.tensor([[R, split, 0, 0, 0]], dtype=torch.int64).to(device)
 
 
 _PLANS: dict = {}                    # the pairs' signature -> their _Plan (site_errors_sites)

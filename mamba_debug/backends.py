@@ -61,19 +61,18 @@ def device_backend(kernels: str | None = "triton", device: str | None = None, us
     device = resolve_device(device)
     torch_device = torch.device(slot if slot is not None else "cuda" if device == "cuda" else "cpu")
     ops = dict(TORCH_OPS)
-    supports_states_out, measures_states = True, False
+    supports_states_out = True
     if kernels in (None, "torch"):
         name, overridden = "torch", []
     else:
         plugin = load_plugin(kernels, device)
         ops.update(plugin.ops)
-        supports_states_out, measures_states = plugin.supports_states_out, plugin.measures_states
+        supports_states_out = plugin.supports_states_out
         name, overridden = plugin.name, sorted(op for op in plugin.ops if uses is None or op in uses)
     where = {"cuda": f"compiled for {torch.cuda.get_device_name(torch_device) if device == 'cuda' else ''}",
              "interpret": "under Triton's interpreter on the CPU", "cpu": "on the CPU"}[device]
     what = f"kernels '{name}' ({', '.join(overridden)}; other ops torch)" if overridden else "torch ops"
-    table = OpTable(name, ops, supports_states_out, measures_states)
-    return Backend(f"device:{name}", table, torch.float32, torch_device,
+    return Backend(f"device:{name}", OpTable(name, ops, supports_states_out), torch.float32, torch_device,
                    f"device {device}: float32 {what} {where}".replace("  ", " "))
 
 

@@ -1,9 +1,7 @@
 """Damage is detected, not absorbed: a plug-in op that writes into the tensors it was handed is caught by comparing
 its inputs, bit for bit, before and after the call (`plugins.checked_op`). The op still receives the very tensors
 (strided views included: copying them into contiguous ones would hide the #6758 class of bug); only the snapshot
-is a copy. `states_out` is an output buffer the op is meant to fill, so it is not checked; nor is `states_ref`, the
-reference's per-token states a measuring scan reads (a copy of it per layer would cost more than the measuring saves:
-it is the largest tensor of a traced layer; a scan that wrote into it could only spoil its own state metrics).
+is a copy. `states_out` is an output buffer the op is meant to fill, so it is not checked.
 
 On a GPU, comparing after every call (`torch.equal`) waits for the GPU each time: about two waits per layer and
 ubatch, each leaving the device idle while the host queues the next kernels. Inside `deferred()` (a Runner's forward
@@ -19,7 +17,7 @@ import torch
 from .errors import PluginError
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-NOT_CHECKED = frozenset({"states_out", "states_ref"})
+NOT_CHECKED = frozenset({"states_out"})
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

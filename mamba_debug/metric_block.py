@@ -47,28 +47,6 @@ class SiteErrors(Mapping):
         return kept[1][self.offset:self.offset + n].reshape(4, *self.shape)
 
 
-class Spliced(Mapping):
-    """A per-token site's metrics from two measurements: `head`'s [S, T] but for the last token, `tail`'s [S, 1]
-    there (a state its op measured per token, whose last token is the state the op handed on: torch_side.Capture)."""
-
-    __slots__ = ("head", "tail")
-
-    def __init__(self, head: Mapping, tail: Mapping):
-        self.head, self.tail = head, tail
-
-    def __getitem__(self, metric: str) -> torch.Tensor:
-        return torch.cat([self.head[metric][:, :-1], self.tail[metric]], 1)
-
-    def __iter__(self):
-        return iter(METRICS)
-
-    def __len__(self) -> int:
-        return len(METRICS)
-
-    def on_host(self, blocks: dict) -> np.ndarray:
-        return np.concatenate([self.head.on_host(blocks)[..., :-1], self.tail.on_host(blocks)], -1)
-
-
 def cat_cpu(chunks: list) -> torch.Tensor:
     """[S, t] metric chunks of the ubatches, on the reference's device -> one [S, n_tok] CPU tensor."""
     return torch.cat(chunks, 1).cpu()
@@ -78,11 +56,7 @@ def errors_cpu(chunks: list, blocks: dict) -> dict:
     """One site's metrics over its ubatches (a mapping metric -> [S, t] each) -> metric -> one [S, n_tok] CPU
     tensor, the same values as `cat_cpu` of each metric. Chunks that are all `SiteErrors` are joined from their
     blocks' host copies (`blocks`, shared by every site of a run); others as `cat_cpu` joins them."""
-    if not all(isinstance(c, SiteErrors) or isinstance(c, Spliced) and _in_blocks(c) for c in chunks):
+    if not all(isinstance(c, SiteErrors) for c in chunks):
         return {m: cat_cpu([c[m] for c in chunks]) for m in chunks[0]}
     pieces = [c.on_host(blocks) for c in chunks]
     return {m: torch.from_numpy(np.concatenate([p[i] for p in pieces], 1)) for i, m in enumerate(METRICS)}
-
-
-def _in_blocks(s: Spliced) -> bool:
-    return isinstance(s.head, SiteErrors) and isinstance(s.tail, SiteErrors)

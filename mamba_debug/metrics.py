@@ -50,13 +50,6 @@ def fused_site_errors(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     return _fused_module(interpret=not ref.is_cuda).site_errors_fused(dev, ref, config)
 
 
-def errors_of_sums(sums: torch.Tensor):
-    """A site an op measured itself (the scan's per-token states against the reference's: kernels/triton.py's
-    `states_ref`): its float64 sums [7, pieces, S, T] -> `site_errors`' metrics [S, T], combined by the metrics
-    kernel (compiled for CUDA sums, interpreted for CPU ones)."""
-    return _fused_module(interpret=not sums.is_cuda).errors_of_sums(sums)
-
-
 def _fused_module(interpret: bool):
     """_site_metrics.py executed for one mode, once per process: one copy per mode however it is asked for (the
     cache below would keep f(False) and f(interpret=False) apart: two copies, each with its own plans and compiles)."""

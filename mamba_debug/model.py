@@ -133,13 +133,6 @@ def check_tokens(tokens, vocab_size: int) -> torch.Tensor:
     return tokens.long()
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """torch.device("cuda") is the current GPU, but != torch.device("cuda:0")."""
-    def index(d):
-        return d.index if d.index is not None or d.type != "cuda" else torch.cuda.current_device()
-    return a.type == b.type and index(a) == index(b)
-
-
 def _on(device: torch.device):
     """A block's ops run with its GPU current (Triton launches on the current device); nothing for the CPU."""
     if device.type == "cuda" and device.index is not None:
@@ -280,19 +273,7 @@ class Runner:
         return LayerContext(index=i, cfg=self.cfg, ops=ops, w=w, states=self.states[i],
                             site=lambda name, value, per_token=True: self._site(i, name, value, per_token),
                             want_states_out=self._on_site is not None and b.ops.supports_states_out,
-                            dtype=b.dtype, device=b.device, state_ref=self._state_ref(i, b))
-
-    def _state_ref(self, i: int, b: Backend):
-        """LayerContext.state_ref of block i: the observer's reference state (its `state_reference`), when the
-        back-end's ssm_scan measures states itself and the reference lies on the back-end's device."""
-        ask = getattr(self.observer, "state_reference", None)
-        if ask is None or not b.ops.measures_states:
-            return lambda name: None
-
-        def state_ref(name):
-            ref = ask(i, name)
-            return ref if ref is not None and _same_device(ref.device, b.device) else None
-        return state_ref
+                            dtype=b.dtype, device=b.device)
 
     def _head(self, h: torch.Tensor, T: int, src: Optional[int] = None) -> torch.Tensor:
         b = self.head_backend

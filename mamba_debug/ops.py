@@ -241,9 +241,8 @@ def transfer(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device=device, copy=True)
 
 
-def output_contract(op: str, args: tuple, kwargs: Mapping | None = None) -> list:
-    """Each output's expected (shape, dtype, device), from an op's inputs: what a plug-in's op must return (None in
-    a shape: any size). ssm_scan given `states_ref` also returns its states' sums against it [7, pieces, S, T]."""
+def output_contract(op: str, args: tuple) -> list:
+    """Each output's expected (shape, dtype, device), from an op's inputs: what a plug-in's op must return."""
     if op in ("rms_norm", "silu", "rms_norm_gated"):
         x = args[0]
         return [(x.shape, x.dtype, x.device)]
@@ -258,9 +257,7 @@ def output_contract(op: str, args: tuple, kwargs: Mapping | None = None) -> list
         return [(x.shape, x.dtype, torch.device(args[1]))]
     if op in ("ssm_conv", "ssm_scan", "ssd_scan"):
         state, x = args[0], args[1]
-        sums = [((7, None) + tuple(x.shape[:2]), torch.float64, x.device)] if (kwargs or {}).get("states_ref") \
-            is not None else []
-        return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)] + sums
+        return [(x.shape, x.dtype, x.device), (state.shape, state.dtype, state.device)]
     raise KeyError(op)
 
 
@@ -301,18 +298,15 @@ def example_inputs(op: str, *, S: int = 2, T: int = 16, D: int = 64, N: int = 8,
 
 
 class OpTable:
-    """A named mapping op name -> callable; `supports_states_out` says whether ssm_scan/ssd_scan fill states_out,
-    `measures_states` whether ssm_scan measures its states against a `states_ref` (plugins.py: MEASURES_STATES)."""
+    """A named mapping op name -> callable; `supports_states_out` says whether ssm_scan/ssd_scan fill states_out."""
 
-    def __init__(self, name: str, ops: Mapping[str, Callable], supports_states_out: bool = True,
-                 measures_states: bool = False):
+    def __init__(self, name: str, ops: Mapping[str, Callable], supports_states_out: bool = True):
         missing = [op for op in OP_NAMES if op not in ops]
         if missing:
             raise ValueError(f"op table {name!r} lacks {missing}")
         self.name = name
         self.ops = dict(ops)
         self.supports_states_out = supports_states_out
-        self.measures_states = measures_states
 
     def __getattr__(self, op: str) -> Callable:
         try:

@@ -5,8 +5,6 @@ A plug-in is a Python file with a module-level `OPS = {"op_name": callable, ...}
 
     NAME, DESCRIPTION          what it is
     SUPPORTS_STATES_OUT        False if its ssm_scan cannot fill `states_out` (default True)
-    MEASURES_STATES            True if its ssm_scan takes `states_ref` and returns the per-token sums of its states
-                               against it as a third output (kernels/_triton_measure.py; default False)
     BUG                        for a deliberately buggy variant: a dict with "bug", "incident",
                                "symptom" and "expect" (the settings and first divergence it must show)
 
@@ -41,7 +39,6 @@ class Plugin:
     description: str
     ops: dict[str, Callable]
     supports_states_out: bool = True
-    measures_states: bool = False
     bug: dict | None = None
     module: object = field(default=None, repr=False)
 
@@ -135,7 +132,6 @@ def _exec_plugin(path: Path, device: str) -> Plugin:
         name=name, path=path, description=getattr(module, "DESCRIPTION", ""),
         ops={k: checked_op(name, k, fn) for k, fn in ops.items()},
         supports_states_out=bool(getattr(module, "SUPPORTS_STATES_OUT", True)),
-        measures_states=bool(getattr(module, "MEASURES_STATES", False)) and "ssm_scan" in ops,
         bug=getattr(module, "BUG", None), module=module)
 
 
@@ -147,11 +143,6 @@ class _Shapes:
 
     def __str__(self):
         return ", ".join(_shape(a) for a in self.args)
-
-
-def _fits(shape: tuple, want: tuple) -> bool:
-    """A shape against a contract's (None: any size there)."""
-    return len(shape) == len(want) and all(w is None or n == w for n, w in zip(shape, want))
 
 
 def _shape(t) -> str:
@@ -177,17 +168,17 @@ def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
             if changed:
                 raise PluginError(wrote(changed))
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
-        expected = output_contract(op, args, kwargs)
+        expected = output_contract(op, args)
         if len(outs) != len(expected):
             raise PluginError(f"plug-in {plugin}: op {op}({shapes}) returned {len(outs)} value(s), "
                               f"expected {len(expected)}")
         for i, (out, (shape, dtype, device)) in enumerate(zip(outs, expected)):
             if not isinstance(out, torch.Tensor):
                 raise PluginError(f"plug-in {plugin}: op {op}({shapes}) output {i} is {type(out).__name__}, not a tensor")
-            if not _fits(out.shape, shape) or out.dtype != dtype or out.device != device:
+            if out.shape != shape or out.dtype != dtype or out.device != device:
                 raise PluginError(
                     f"plug-in {plugin}: op {op}({shapes}) output {i} is {_shape(out)} {out.dtype} on {out.device}, "
-                    f"expected {'x'.join('any' if n is None else str(n) for n in shape)} {dtype} on {device}")
+                    f"expected {'x'.join(map(str, shape))} {dtype} on {device}")
         return result
     wrapper.__name__ = f"{plugin}.{op}"
     wrapper.__wrapped__ = fn

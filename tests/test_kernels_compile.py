@@ -34,12 +34,9 @@ def build(kernel, consts, floats=(), types=None, warps=4):
 k1, k2 = (load_plugin(name, device="cuda").module for name in ("triton", "triton_mamba2"))
 m = _fused_module(False)
 build(k1._ssm_conv_kernel, dict(K=4, BLOCK_KM1=4, BLOCK_K=4, BLOCK_T=32, BLOCK_D=64))
-for chunked, summary, measured in ((True, True, False), (True, True, True), (True, False, True), (False, False, False),
-                                   (False, False, True)):     # measured: states_ref read as float64 (_triton_measure)
+for chunked, summary in ((True, True), (True, False), (False, False)):
     build(k1._ssm_scan_kernel, dict(SUMMARY=summary, SLOTS=4 if chunked else 1, TILES=chunked, CHUNKED=chunked,
-                                    HAS_STATES_OUT=not measured, HAS_STATES_REF=measured, PIECES=4 if measured else 1,
-                                    BLOCK_D=64, BLOCK_N=16),
-          types={"ref_ptr": "*fp64", "parts_ptr": "*fp64"}, warps=2)
+                                    HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16), warps=2)
 interp = k1._schedules      # the interpreter's schedules: no GPU plan runs them, but they stay valid Triton
 for even in (False, True):      # masks where the blocks overhang; none, one sequence, shared offsets, where not
     build(interp._ssm_conv_one_token_kernel, dict(K=4, BLOCK_K=4, BLOCK_S=2, BLOCK_D=64, EVEN=even, ONE_SEQ=even,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..errors import MambaDebugError
-from .base import MODEL_SITES, LayerContext, LayerType, SiteKey, StateSpec, StateSums
+from .base import MODEL_SITES, LayerContext, LayerType, SiteKey, StateSpec
 from .attention import Attention
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
@@ -75,5 +75,5 @@ def layer_site_elements(cfg: ModelConfig) -> list:
     return [layer_type(cfg, i).site_elements(cfg) for i in range(cfg.n_layer)]
 
 
-__all__ = ["LAYER_TYPES", "MODEL_SITES", "LayerContext", "LayerType", "SiteKey", "StateSpec", "StateSums", "all_sites",
+__all__ = ["LAYER_TYPES", "MODEL_SITES", "LayerContext", "LayerType", "SiteKey", "StateSpec", "all_sites",
            "layer_site_elements", "layer_sites", "layer_type", "model_ops", "param_shapes", "site_elements", "site_order"]

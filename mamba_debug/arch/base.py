@@ -45,19 +45,6 @@ class LayerContext:
     want_states_out: bool                       # someone observes per-token states and the ops can write them
     dtype: torch.dtype = torch.float32
     device: Optional[torch.device] = None
-    # state_ref(name): the reference's per-token values of this state in this ubatch, when the observer measures the
-    # state at birth and the op can measure it itself (ssm_scan's `states_ref`); None otherwise. The layer then hands
-    # the op's sums to `site` as a StateSums instead of the states.
-    state_ref: Callable[[str], Optional[torch.Tensor]] = lambda name: None
-
-
-@dataclass(frozen=True)
-class StateSums:
-    """A per-token state measured by its op against `state_ref` (its float64 sums [7, pieces, S, T]) and the state
-    the op handed on, whose own measurement replaces the last token's (as with states_out, whose last row is that
-    state: a kernel that returns another state than its last h_t is caught at the token where it happens)."""
-    sums: torch.Tensor
-    final: torch.Tensor
 
 
 class LayerType(Protocol):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .base import LayerContext, StateSpec, StateSums
+from .base import LayerContext, StateSpec
 
 
 class Mamba1:
@@ -54,28 +54,9 @@ class Mamba1:
         dt = ops.linear(dt, w["dt_proj"], w["dt_bias"]);               site("dt", dt)
         site("B", B)
         site("C", C)
-        y_scan = self._scan(ctx, conv_act, dt, B, C)
-        y_skip = y_scan + conv_act * w["D"];                           site("y_skip", y_skip)
-        gate = ops.silu(z);                                            site("gate", gate)
-        y_gated = y_skip * gate;                                       site("y_gated", y_gated)
-        out = ops.linear(y_gated, w["out_proj"], w.get("out_proj_bias")); site("out", out)
-        resid = h + out;                                               site("resid", resid)
-        return resid
-
-    @staticmethod
-    def _scan(ctx: LayerContext, conv_act, dt, B, C) -> torch.Tensor:
-        """ssm_scan and its sites y_scan, ssm_state: the state per token when it is observed (measured in the scan
-        against the reference's when the op can, else written out by the op), else at the ubatch end."""
-        st, w, ops, site = ctx.states, ctx.w, ctx.ops, ctx.site
-        ref = ctx.state_ref("ssm_state") if ctx.want_states_out else None
-        if ref is not None:                                            # measured in the scan, never written out
-            y_scan, st["ssm_state"], sums = ops.ssm_scan(st["ssm_state"], conv_act, dt, w["A"], B, C, states_ref=ref)
-            site("y_scan", y_scan)
-            site("ssm_state", StateSums(sums, st["ssm_state"]), True)
-            return y_scan
         states = None
         if ctx.want_states_out:
-            states = torch.empty(*conv_act.shape, ctx.cfg.d_state, dtype=ctx.dtype, device=ctx.device)
+            states = torch.empty(h.shape[0], h.shape[1], D, N, dtype=ctx.dtype, device=ctx.device)
         y_scan, st["ssm_state"] = ops.ssm_scan(st["ssm_state"], conv_act, dt, w["A"], B, C, states_out=states)
         site("y_scan", y_scan)
         if states is not None:
@@ -85,4 +66,9 @@ class Mamba1:
             site("ssm_state", states, True)
         else:
             site("ssm_state", st["ssm_state"], False)
-        return y_scan
+        y_skip = y_scan + conv_act * w["D"];                           site("y_skip", y_skip)
+        gate = ops.silu(z);                                            site("gate", gate)
+        y_gated = y_skip * gate;                                       site("y_gated", y_gated)
+        out = ops.linear(y_gated, w["out_proj"], w.get("out_proj_bias")); site("out", out)
+        resid = h + out;                                               site("resid", resid)
+        return resid

@@ -11,9 +11,8 @@ from typing import Optional
 
 import torch
 
-from ..arch import StateSums, site_order
-from ..metric_block import Spliced
-from ..metrics import Measured, birth_pair, errors_of_sums, site_errors_many
+from ..arch import site_order
+from ..metrics import Measured, birth_pair, site_errors_many
 from ..model import Model, Runner
 from ..settings import RunSettings
 from ..trace import SideInfo
@@ -33,9 +32,7 @@ class Capture:
     `against` (set by compare for one ubatch, capture='metrics'): the reference's site values of this ubatch. A site
     found there is measured where it is born and kept as its `Measured` errors, never copied: nothing but its
     metrics is ever asked of it. A layer's sites are measured together when the next layer starts (on a GPU one or
-    two launches of the fused kernel, each site read where it lies: `metrics.site_errors_many`). A per-token state
-    whose op can measure it (`state_reference`: kernels/triton.py's ssm_scan) comes as the op's sums (StateSums),
-    its last token measured from the state the op handed on, with the layer's other sites.
+    two launches of the fused kernel, each site read where it lies: `metrics.site_errors_many`).
     """
 
     def __init__(self, to_host: bool = True):
@@ -43,23 +40,17 @@ class Capture:
         self.values: dict = {}
         self.pending = False       # non-blocking copies issued since the last take()
         self.against: Optional[dict] = None
-        self.born: list = []       # this layer's sites to measure: (key, per_token, (dev, ref), at_end, sums)
-
-    def state_reference(self, layer, name) -> Optional[torch.Tensor]:
-        """The reference's per-token values of a state measured at birth this ubatch (for its op to measure against);
-        None when it is not measured at birth or the reference has it at the ubatch end only."""
-        ref = self.against.get((layer, name)) if self.against is not None else None
-        return ref[0] if ref is not None and ref[1] else None
+        self.born: list = []       # this layer's sites to measure: (key, per_token, (dev, ref), at_end)
 
     def site(self, layer, site, value, per_token):
-        if isinstance(value, StateSums):            # measured by its op against state_reference's tensor
-            ref = self.against[(layer, site)][0]
-            return self._born(layer, site, per_token, (value.final[:, None], ref[:, -1:]), False, value.sums)
         value = value.detach()
         ref = self.against.get((layer, site)) if self.against is not None else None
         born = birth_pair(value, per_token, *ref) if ref is not None else None
         if born is not None:
-            return self._born(layer, site, per_token, *born, None)
+            if self.born and self.born[-1][0][0] != layer:
+                self._measure_born()
+            self.born.append(((layer, site), per_token, *born))
+            return
         if self.to_host and value.is_cuda:
             copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             copy.copy_(value, non_blocking=True)
@@ -70,16 +61,9 @@ class Capture:
             copy = value.clone()
         self.values[(layer, site)] = (copy, per_token)
 
-    def _born(self, layer, site, per_token, pair, at_end, sums):
-        if self.born and self.born[-1][0][0] != layer:
-            self._measure_born()
-        self.born.append(((layer, site), per_token, pair, at_end, sums))
-
     def _measure_born(self):
         born, self.born = self.born, []
-        for (key, per_token, _, at_end, sums), e in zip(born, site_errors_many([b[2] for b in born])):
-            if sums is not None:                    # the op's tokens, the last one the state handed on
-                e = Spliced(errors_of_sums(sums), e)
+        for (key, per_token, _, at_end), e in zip(born, site_errors_many([pair for _, _, pair, _ in born])):
             self.values[key] = (Measured(e, at_end), per_token)
 
     def take(self) -> dict:
