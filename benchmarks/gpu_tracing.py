@@ -87,6 +87,17 @@ class AtBirth(_Capture):
         self.kept.append(super().take())
 
 
+class AtBirthBeside(AtBirth):
+    """AtBirth with a layer's sites measured on a side stream beside the next layer's kernels (`Capture.beside`,
+    off in the engine until an H200 run shows it pays)."""
+    beside = True
+
+
+class AtBirthBesideFirst(AtBirthBeside):
+    """AtBirthBeside with the side stream ahead of the run's in the block scheduler (CUDA priority -1)."""
+    side_priority = -1
+
+
 def tracing_levels(dev) -> list[dict]:
     """The capture levels, cheapest first. what; backend; tap (the hook); after (run after each ubatch, as the
     engine takes its capture there); to_host (bytes cross to the host); keep (kept for the whole prefill);
@@ -94,7 +105,7 @@ def tracing_levels(dev) -> list[dict]:
     no_states_out = dataclasses.replace(dev, ops=OpTable(dev.ops.name, dev.ops.ops, supports_states_out=False))
     gpu, keep, states, pinned, pageable = (_Capture(to_host=False), KeepOnDevice(), _Capture(), _Capture(),
                                           PageableCapture())
-    born = AtBirth()
+    born, beside, beside_first = AtBirth(), AtBirthBeside(), AtBirthBesideFirst()
     host = "pinned host memory, non-blocking, one sync per ubatch" if CUDA else "the CPU (no GPU: plain copies)"
     level = dict(backend=dev, after=None, to_host=False, keep=None, once=False, check=False)
     return [
@@ -109,6 +120,12 @@ def tracing_levels(dev) -> list[dict]:
                           f"{'the fused kernel, read in place' if CUDA else 'the torch version'} as the next layer "
                           "starts (against themselves: no reference here), nothing copied, metrics kept on the device",
          "tap": Tap(born), "after": born.take, "keep": born},
+        {**level, "what": "capture='metrics' device half, at birth on a side stream beside the next layer's kernels "
+                          "(Capture.beside; the engine's default stream otherwise)", "cuda_only": True,
+         "tap": Tap(beside), "after": beside.take, "keep": beside},
+        {**level, "what": "capture='metrics' device half, at birth on a side stream ahead of the run's (CUDA "
+                          "priority -1)", "cuda_only": True,
+         "tap": Tap(beside_first), "after": beside_first.take, "keep": beside_first},
         {**level, "what": "keep resid, y_scan (every layer) and logits on the device for the whole prefill",
          "tap": Tap(keep, {"resid", "y_scan", "logits"}), "keep": keep},
         {**level, "what": f"per-token SSM states (states_out) to {host}", "tap": Tap(states, {"ssm_state"}),
@@ -163,6 +180,7 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
     plain = Runner(model, dev)
     reset_peak()
     base = median_time(lambda: prefill(plain, tokens, ubatch), reps + 2, warm)
+    base_queued = host_queue(lambda: prefill(plain, tokens, ubatch)) if CUDA else None
     row(f"untraced, ubatch {ubatch}", base, base, peak=peak_gpu())
     reset_peak()
     t = median_time(lambda: prefill(plain, tokens, tokens.shape[1]), reps, warm)
@@ -203,12 +221,15 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
             else:
                 t, beside, ratios = paired_times(run, untraced, PAIRS if CUDA else reps, warm)
             peak = peak_gpu()
+            queued = host_queue(run) if CUDA and not lv["once"] else None
             r = row(lv["what"], t, beside, tap.bytes, lv["to_host"], peak, ratios)
             host = getattr(tap.inner, "host_s", None)
             pairs = (f" (median of {len(ratios)} alternating pairs, each {ratios[0]:.3f}-{ratios[-1]:.3f})"
                      if ratios else "")
             notes = [f"untraced beside it {beside:.3f} s{pairs}",
                      f"host time measuring the layers {host:.3f} s in the last run" if host else "",
+                     f"the host queued a run in {queued[0]:.3f} s of its {queued[1]:.3f} s (untraced "
+                     f"{base_queued[0]:.3f} of {base_queued[1]:.3f})" if queued else "",
                      check_capture(runner, tokens, ubatch, tap.inner) if lv["check"] else "",
                      pinned_note() if lv["to_host"] else ""]
             r["note"] = "; ".join(n for n in notes if n)
@@ -221,6 +242,21 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
         runner = None
         free_memory(host_cache=False)
     return rows
+
+
+def host_queue(run, reps: int = 3) -> tuple[float, float]:
+    """Medians of the host's seconds to queue one run (until it returns, before the wait) and of the run's seconds
+    to the GPU's end: a host time near the whole means the GPU waited for the host (a run bound by the host, which
+    no faster kernel shortens), well under it means the host ran ahead."""
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        run()
+        t1 = time.perf_counter()
+        sync()
+        times.append((t1 - t0, time.perf_counter() - t0))
+    return statistics.median(q for q, _ in times), statistics.median(w for _, w in times)
 
 
 def check_capture(runner, tokens, ubatch, cap) -> str:

@@ -22,6 +22,12 @@ def main(path):
     span = end - gpu[0][0]
     print(f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, {len(gaps)} gaps, "
           f"sum {sum(gaps) / 1e3:.1f} ms, >50us: {sum(g for g in gaps if g > 50) / 1e3:.1f} ms")
+    streams = collections.defaultdict(float)     # kernel time per stream: a side stream's share that overlapped
+    for e in ev:
+        if e.get("cat") == "kernel":
+            streams[e.get("args", {}).get("stream", "?")] += e["dur"]
+    print("kernel ms per stream: " + ", ".join(f"{k}: {v / 1e3:.1f}" for k, v in sorted(streams.items(), key=str))
+          + f"; their sum less busy (overlapped) {max(0.0, sum(streams.values()) - busy) / 1e3:.1f} ms")
     for cat in ("cuda_runtime", "cuda_driver", "cpu_op"):
         tot = collections.defaultdict(lambda: [0, 0.0, 0.0])
         for e in ev:

@@ -319,6 +319,37 @@ def test_a_gpu_comparison_measured_at_birth_or_alone_gives_the_same_result(monke
                 assert_same(res.errors[k], e)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU run checks this (MAMBA_DEBUG_TEST_DEVICE=cuda)")
+def test_measuring_beside_the_run_gives_the_run_streams_bits_however_late_the_side_stream(monkeypatch):
+    """The sites measured on a side stream (torch_side._beside) give the bits measured on the run's own stream, also
+    when the side stream starts each layer's measurement ~20 ms late: the run's stream meanwhile frees and reuses
+    memory (the next layers' per-token states, 4 layers x 5 ubatches), which must not be a site still to be read."""
+    from conftest import random_model
+    from mamba_debug.compare import CompareSettings, run_compare
+    from mamba_debug.sides import torch_side
+    model, prompt = random_model(n_layer=4), [(7 * i + 3) % 61 for i in range(20)]
+    s = CompareSettings(device="cuda", kernels="triton", ref_device="cuda", capture="metrics", offload=4,
+                        n_seqs=2, ubatch=4, n_gen=2)
+    monkeypatch.setattr(torch_side.Capture, "beside", False)
+    same = run_compare(model, prompt, s)
+    monkeypatch.setattr(torch_side.Capture, "beside", True)
+    real, launched = torch_side.site_errors_many, []
+
+    def late(pairs):
+        launched.append((len(pairs), torch.cuda.current_stream() != torch.cuda.default_stream()))
+        torch.cuda._sleep(40_000_000)          # clock cycles of the side stream: the run's stream runs ahead
+        return real(pairs)
+    monkeypatch.setattr(torch_side, "site_errors_many", late)
+    beside = run_compare(model, prompt, s)
+    assert len(launched) > 4 * 5 and all(n and beside for n, beside in launched), launched[:8]
+    for name in ("floor", "logits"):
+        a, b = getattr(beside, name), getattr(same, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k].nan_to_num(7.0), b[k].nan_to_num(7.0)) for k in a)
+    assert beside.errors.keys() == same.errors.keys()
+    for k, e in same.errors.items():
+        assert all(torch.equal(beside.errors[k][m].nan_to_num(7.0), e[m].nan_to_num(7.0)) for m in e), k
+
+
 def test_a_layers_plan_is_kept_and_follows_its_tensors():
     """A layer's pairs have the same signature layer after layer: their plan is built once and kept, each call reads
     its own tensors (another layer's, at other addresses: the launch's arguments), the tables go to the device once,

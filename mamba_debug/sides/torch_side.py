@@ -7,11 +7,14 @@ state and reports ref32's host-block tensors as its own (they *are* its run). Co
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 import torch
 
 from ..arch import site_order
+from ..metric_block import SiteErrors
 from ..metrics import Measured, birth_pair, site_errors_many
 from ..model import Model, Runner
 from ..settings import RunSettings
@@ -33,7 +36,14 @@ class Capture:
     found there is measured where it is born and kept as its `Measured` errors, never copied: nothing but its
     metrics is ever asked of it. A layer's sites are measured together when the next layer starts (on a GPU one or
     two launches of the fused kernel, each site read where it lies: `metrics.site_errors_many`).
+
+    `beside` (`MAMBA_DEBUG_SIDE_STREAM=1`; off until an H200 run shows it pays, benchmarks/gpu_tracing.py times
+    both): on a GPU, a layer's sites are measured on a side stream beside the next layer's kernels (`_beside`), the
+    same bits.
     """
+
+    beside = os.environ.get("MAMBA_DEBUG_SIDE_STREAM", "0") == "1"    # measure on a side stream (`_beside`)
+    side_priority = 0  # the side stream's CUDA priority: 0 the default streams' (lowest), -1 ahead of the run's
 
     def __init__(self, to_host: bool = True):
         self.to_host = to_host
@@ -41,6 +51,7 @@ class Capture:
         self.pending = False       # non-blocking copies issued since the last take()
         self.against: Optional[dict] = None
         self.born: list = []       # this layer's sites to measure: (key, per_token, (dev, ref), at_end)
+        self.joining = None        # the side stream with this ubatch's measurements in flight
 
     def site(self, layer, site, value, per_token):
         value = value.detach()
@@ -63,17 +74,57 @@ class Capture:
 
     def _measure_born(self):
         born, self.born = self.born, []
-        for (key, per_token, _, at_end), e in zip(born, site_errors_many([pair for _, _, pair, _ in born])):
+        if not born:
+            return
+        pairs = [pair for _, _, pair, _ in born]
+        on_gpu = self.beside and pairs and all(d.is_cuda and r.is_cuda and d.device == r.device for d, r in pairs)
+        errors = _beside(pairs, self) if on_gpu else site_errors_many(pairs)
+        for (key, per_token, _, at_end), e in zip(born, errors):
             self.values[key] = (Measured(e, at_end), per_token)
 
     def take(self) -> dict:
         self._measure_born()
+        if self.joining is not None:   # the ubatch's measurements done before anything reads them or writes a state
+            torch.cuda.current_stream(self.joining.device).wait_stream(self.joining)
+            self.joining = None
         self.against = None        # this ubatch's reference values: not held past it
         if self.pending:           # the one wait of this ubatch: every copy above has landed after it
             torch.cuda.synchronize()
             self.pending = False
         values, self.values = self.values, {}
         return values
+
+
+def _beside(pairs: list, capture: Capture) -> list:
+    """`site_errors_many` of a layer's CUDA pairs on a side stream, beside the next layer's kernels: the metrics
+    kernel is bound by memory bandwidth, the next layer's GEMMs by arithmetic and its scan by one dependent chain
+    per program, so on the run's own stream the metrics added their whole time to a traced run (~9.5% of a 2.8B
+    prefill, issue #18 goal 1) and beside it they mostly hide. The side stream starts after everything the run
+    queued so far (the layer's sites are final); each pair's memory is not reused before the side stream has read
+    it (`record_stream`), the result blocks not before the run's stream is done with them; `take()` joins the side
+    stream to the run's before the ubatch's metrics are read or a state is written in place."""
+    device = pairs[0][1].device
+    main, side = torch.cuda.current_stream(device), _side_stream(device, capture.side_priority)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        errors = site_errors_many(pairs)
+    for dev, ref in pairs:
+        dev.record_stream(side)
+        ref.record_stream(side)
+    for block in {id(b): b for b in map(_block_of, errors)}.values():
+        block.record_stream(main)
+    capture.joining = side
+    return errors
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device, priority: int) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device, priority=priority)
+
+
+def _block_of(errors) -> torch.Tensor:
+    """The tensor a pair's metrics lie in: a SiteErrors' result block, else (an empty site) its first metric."""
+    return errors.block if isinstance(errors, SiteErrors) else next(iter(errors.values()))
 
 
 class _Local(Capture):
