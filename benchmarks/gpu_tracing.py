@@ -87,15 +87,15 @@ class AtBirth(_Capture):
         self.kept.append(super().take())
 
 
-class AtBirthBeside(AtBirth):
-    """AtBirth with a layer's sites measured on a side stream beside the next layer's kernels (`Capture.beside`,
-    off in the engine until an H200 run shows it pays)."""
-    beside = True
+class AtBirthOther(AtBirth):
+    """AtBirth on the engine's other stream choice (`Capture.beside`, MAMBA_DEBUG_SIDE_STREAM): a side stream beside
+    the next layer's kernels where the engine measures on the run's own stream, and the other way round."""
+    beside = not _Capture.beside
 
 
-class AtBirthBesideFirst(AtBirthBeside):
-    """AtBirthBeside with the side stream ahead of the run's in the block scheduler (CUDA priority -1)."""
-    side_priority = -1
+class AtBirthBesideFirst(AtBirth):
+    """AtBirth on a side stream ahead of the run's in the block scheduler (CUDA priority -1)."""
+    beside, side_priority = True, -1
 
 
 def tracing_levels(dev) -> list[dict]:
@@ -105,7 +105,8 @@ def tracing_levels(dev) -> list[dict]:
     no_states_out = dataclasses.replace(dev, ops=OpTable(dev.ops.name, dev.ops.ops, supports_states_out=False))
     gpu, keep, states, pinned, pageable = (_Capture(to_host=False), KeepOnDevice(), _Capture(), _Capture(),
                                           PageableCapture())
-    born, beside, beside_first = AtBirth(), AtBirthBeside(), AtBirthBesideFirst()
+    born, other, first = AtBirth(), AtBirthOther(), AtBirthBesideFirst()
+    where = {True: "on a side stream beside the next layer's kernels", False: "on the run's own stream"}
     host = "pinned host memory, non-blocking, one sync per ubatch" if CUDA else "the CPU (no GPU: plain copies)"
     level = dict(backend=dev, after=None, to_host=False, keep=None, once=False, check=False)
     return [
@@ -118,14 +119,15 @@ def tracing_levels(dev) -> list[dict]:
          "tap": Tap(gpu), "after": lambda: metrics_on_device(gpu.take())},
         {**level, "what": "capture='metrics' device half, measured at birth: a layer's sites by "
                           f"{'the fused kernel, read in place' if CUDA else 'the torch version'} as the next layer "
-                          "starts (against themselves: no reference here), nothing copied, metrics kept on the device",
+                          f"starts{', ' + where[born.beside] if CUDA else ''} (against themselves: no reference "
+                          "here), nothing copied, metrics kept on the device",
          "tap": Tap(born), "after": born.take, "keep": born},
-        {**level, "what": "capture='metrics' device half, at birth on a side stream beside the next layer's kernels "
-                          "(Capture.beside; the engine's default stream otherwise)", "cuda_only": True,
-         "tap": Tap(beside), "after": beside.take, "keep": beside},
+        {**level, "what": f"capture='metrics' device half, at birth {where[other.beside]} (the engine's other path, "
+                          "MAMBA_DEBUG_SIDE_STREAM)", "cuda_only": True,
+         "tap": Tap(other), "after": other.take, "keep": other},
         {**level, "what": "capture='metrics' device half, at birth on a side stream ahead of the run's (CUDA "
                           "priority -1)", "cuda_only": True,
-         "tap": Tap(beside_first), "after": beside_first.take, "keep": beside_first},
+         "tap": Tap(first), "after": first.take, "keep": first},
         {**level, "what": "keep resid, y_scan (every layer) and logits on the device for the whole prefill",
          "tap": Tap(keep, {"resid", "y_scan", "logits"}), "keep": keep},
         {**level, "what": f"per-token SSM states (states_out) to {host}", "tap": Tap(states, {"ssm_state"}),
@@ -193,7 +195,7 @@ def part_tracing(model, dev, tokens, ubatch, small) -> list[dict]:
         if ONLY and not any(p in lv["what"] for p in ONLY.split("|")):
             continue
         if lv.get("cuda_only") and not CUDA:
-            log(f"  skipped (no GPU, nothing to page): {lv['what']}")
+            log(f"  skipped (needs a GPU): {lv['what']}")
             continue
         if lv["once"] and pageable_gb_s and dev_bytes / GB / pageable_gb_s > 60:   # keep the run near 5 minutes
             reason = f"predicted {dev_bytes / GB / pageable_gb_s:.0f} s at the pageable ceiling: not run"
