@@ -8,6 +8,12 @@ factor of 4 of its golden value, or both below 1e-9 (second-order errors such as
 10x; a fault or a lost site moves errors by orders of magnitude, past 1e-6 in KLD), the verdict's words
 before its figures must be the same, a layer's worst site is not compared, and everything else is exact; the test
 says which comparison ran.
+
+Two CPUs of one ISA can round differently too (MKL's sgemm code differs between Intel CPUs with and without AMX:
+a layer's worst error ratio moved 4.5x, past the cross-ISA factor). Such a CPU kind has its own exact set in
+golden/kinds/<digest>/ (record.py): a machine is held to the set whose canary case (record.CANARY) it reproduces
+bit for bit, else to the main set. A change that moves any answer matches no set's canary or fails that set's
+other cases, so it is caught on every kind.
 """
 from __future__ import annotations
 
@@ -66,9 +72,25 @@ def _diff(a, b, path="", rel=0.0):
     return None if same else f"{path}: {a!r} != {b!r}"
 
 
+def golden_set(fresh: dict) -> Path:
+    """The folder of goldens this machine is held to: the kind whose canary answer it reproduces exactly, else the
+    main set."""
+    got = json.loads(json.dumps(fresh[record.CANARY]))
+    for folder in sorted((GOLDEN / "kinds").glob("*")):
+        want = json.loads((folder / f"{record.CANARY}.json").read_text())
+        if want.pop("machine") == record.machine() and _diff(want, got, record.CANARY) is None:
+            return folder
+    return GOLDEN
+
+
+@pytest.fixture(scope="module")
+def held_to(fresh):
+    return golden_set(fresh)
+
+
 @pytest.mark.parametrize("name", list(record.CASES))
-def test_golden(name, fresh):
-    want = json.loads((GOLDEN / f"{name}.json").read_text())
+def test_golden(name, fresh, held_to):
+    want = json.loads((held_to / f"{name}.json").read_text())
     recorded_on = want.pop("machine")
     got = json.loads(json.dumps(fresh[name]))          # same JSON round trip as the recorded file
     exact = recorded_on == record.machine()
@@ -77,4 +99,27 @@ def test_golden(name, fresh):
             want.pop(key, None), got.pop(key, None)
     d = _diff(want, got, name, rel=0.0 if exact else CROSS_ISA_FACTOR)
     how = "exact" if exact else f"within a factor of {CROSS_ISA_FACTOR}: recorded on {recorded_on}"
+    how += f", {held_to.relative_to(GOLDEN.parent)}"
     assert d is None, f"golden output moved ({how}): {d}"
+
+
+def test_a_machine_is_held_to_the_set_whose_canary_it_reproduces(monkeypatch, tmp_path):
+    """golden_set picks a CPU kind's set only for a machine that reproduces its canary bit for bit (and has its
+    machine key); any other answer, a moved one included, is held to the main set."""
+    main = json.loads((GOLDEN / f"{record.CANARY}.json").read_text())
+    kind_dir = tmp_path / "golden" / "kinds" / "k1"
+    kind_dir.mkdir(parents=True)
+    other = json.loads(json.dumps(main))
+    other["json"]["logits"]["kld_max"] *= 2                     # the other kind's rounding
+    (kind_dir / f"{record.CANARY}.json").write_text(json.dumps(other))
+    monkeypatch.setattr(sys.modules[__name__], "GOLDEN", tmp_path / "golden")
+    machine = other.pop("machine")
+    main.pop("machine")
+    monkeypatch.setattr(record, "machine", lambda: machine)
+    assert golden_set({record.CANARY: other}) == kind_dir
+    assert golden_set({record.CANARY: main}) == tmp_path / "golden"
+    moved = json.loads(json.dumps(other))
+    moved["json"]["logits"]["kld_max"] *= 3                     # a change of code: no set's canary
+    assert golden_set({record.CANARY: moved}) == tmp_path / "golden"
+    monkeypatch.setattr(record, "machine", lambda: dict(machine, cpu_capability="AVX2"))
+    assert golden_set({record.CANARY: other}) == tmp_path / "golden"
