@@ -10,10 +10,10 @@ before its figures must be the same, a layer's worst site is not compared, and e
 says which comparison ran.
 
 Two CPUs of one ISA can round differently too (an Intel CPU with AMX against the recording one: a layer's worst
-error ratio moved 4.5x, past the cross-ISA factor; MKL, for one, picks its code by processor). Such a CPU kind has its own exact set in
-golden/kinds/<digest>/ (record.py): a machine is held to the set whose canary case (record.CANARY) it reproduces
-bit for bit, else to the main set. A change that moves any answer matches no set's canary or fails that set's
-other cases, so it is caught on every kind.
+error ratio moved 4.5x, past the cross-ISA factor; MKL, for one, picks its code by processor). Such a CPU kind
+has its own exact set in golden/kinds/<digest>/ (record.py): a machine is held to the set whose canary case
+(record.CANARY) it reproduces bit for bit, else to the main set. A change that moves any answer matches no set's
+canary or fails that set's other cases, so it is caught on every kind.
 """
 from __future__ import annotations
 

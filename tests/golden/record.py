@@ -14,10 +14,9 @@ A re-record is a decision, not a fix: say in the commit which case changed and w
 CPU kinds: two machines that `machine()` cannot tell apart (both AVX-512, the same torch) may still round float32
 differently (an Intel CPU with AMX against the one these were recorded on; MKL, for one, picks its code by
 processor, and forcing its code path moves these bits), and there the errors the engine measures, which are that
-rounding, move. Such a kind keeps its own exact set in
-kinds/<digest>/ (digest: of its answer to CANARY), recorded with `--kind` from code whose answers the main set
-still holds on its own kind; tests/test_golden.py holds a machine to the set whose CANARY answer it reproduces bit
-for bit, else to the main set.
+rounding, move. Such a kind keeps its own exact set in kinds/<digest>/ (digest: of its answer to CANARY), recorded
+with `--kind` from code whose answers the main set still holds on its own kind; tests/test_golden.py holds a
+machine to the set whose CANARY answer it reproduces bit for bit, else to the main set.
 """
 from __future__ import annotations
 
