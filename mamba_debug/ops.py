@@ -20,6 +20,25 @@ OP_NAMES = ("rms_norm", "linear", "silu", "ssm_conv", "ssm_scan", "ssd_scan", "r
 SOFTPLUS_THRESHOLD = 20.0
 
 
+def _settle_vector_math():
+    """Call torch's vectorized transcendentals once, on one thread, before any real work.
+
+    Seen with torch 2.13 on a 2-core Intel CPU with AVX-512 and AMX (2026-12-05): in about half the processes, the
+    first exp or log of the process, split over two threads, gave the second thread's half of the elements from
+    another vector routine (2040 of 4096 float64 values 1 ulp apart from every later call). Loading a model computes
+    A = -exp(A_log) first thing, so a model's A, and with it every error the engine measures, changed from run to
+    run (an exact golden and a save/load round trip failed that way). After one call on a tensor too small to
+    split, every later call gave the same bits in 0 of 40 processes."""
+    for dtype in (torch.float32, torch.float64):
+        x = torch.linspace(-1.0, 1.0, 16, dtype=dtype)
+        for f in (torch.exp, torch.log1p, torch.expm1, torch.tanh, torch.sigmoid):
+            f(x)
+        torch.log(x.abs() + 1.0)
+
+
+_settle_vector_math()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight

@@ -85,3 +85,26 @@ def test_offload_moves_layers_to_the_device_backend():
     assert runner.head_backend.name == "reference"
     runner.prefill(_prompts(model, S=1), 5)
     assert (2, "gate") in seen and (None, "logits") in seen
+
+
+FIRST_CALL = """
+import mamba_debug, torch
+torch.set_num_threads(2)
+torch.manual_seed(0)
+x = torch.randn(4096, dtype=torch.float64)
+a, la = torch.exp(x), torch.log(x.abs() + 0.5)
+b, lb = torch.exp(x), torch.log(x.abs() + 0.5)
+print(int((a != b).sum()) + int((la != lb).sum()))
+"""
+
+
+def test_a_process_first_exp_gives_the_bits_of_every_later_one():
+    """The same model gives the same bits in every process (ops._settle_vector_math): without it, in about half the
+    processes on an AVX-512/AMX CPU, the first exp or log split over two threads took another vector routine for
+    the second thread's half (A = -exp(A_log) at load then differed by 1 ulp). Six fresh processes, two threads."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    for _ in range(6):
+        out = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == "0", f"the first exp/log of a process differed from the next: {out.stdout}"
