@@ -2,6 +2,9 @@
 prefill or token-by-token decode, offload count (when both back-ends compute the same thing)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -102,8 +105,6 @@ def test_a_process_first_exp_gives_the_bits_of_every_later_one():
     """The same model gives the same bits in every process (ops._settle_vector_math): without it, in about half the
     processes on an AVX-512/AMX CPU, the first exp or log split over two threads took another vector routine for
     the second thread's half (A = -exp(A_log) at load then differed by 1 ulp). Six fresh processes, two threads."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
     for _ in range(6):
         out = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]

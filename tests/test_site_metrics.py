@@ -341,7 +341,7 @@ def test_measuring_beside_the_run_gives_the_run_streams_bits_however_late_the_si
         return real(pairs)
     monkeypatch.setattr(torch_side, "site_errors_many", late)
     beside = run_compare(model, prompt, s)
-    assert len(launched) > 4 * 5 and all(n and beside for n, beside in launched), launched[:8]
+    assert len(launched) > 4 * 5 and all(n and on_side for n, on_side in launched), launched[:8]
     for name in ("floor", "logits"):
         a, b = getattr(beside, name), getattr(same, name)
         assert a.keys() == b.keys() and all(torch.equal(a[k].nan_to_num(7.0), b[k].nan_to_num(7.0)) for k in a)

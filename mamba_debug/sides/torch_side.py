@@ -77,7 +77,7 @@ class Capture:
         if not born:
             return
         pairs = [pair for _, _, pair, _ in born]
-        on_gpu = self.beside and pairs and all(d.is_cuda and r.is_cuda and d.device == r.device for d, r in pairs)
+        on_gpu = self.beside and all(d.is_cuda and r.is_cuda and d.device == r.device for d, r in pairs)
         errors = _beside(pairs, self) if on_gpu else site_errors_many(pairs)
         for (key, per_token, _, at_end), e in zip(born, errors):
             self.values[key] = (Measured(e, at_end), per_token)
