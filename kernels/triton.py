@@ -152,29 +152,34 @@ def _tile(p, sn, m, N, BLOCK_N: tl.constexpr):
 
 
 @_device_function
-def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, stride_C_t, mask_d, mask_n):
-    """Token j of the chunk as fp32: x, dt per channel, B, C per state. Past the chunk dt is -inf, so delta is
-    exactly 0 (decay 1, input 0): a step on it leaves h as it was, bit for bit, with no branch."""
+def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, stride_C_t, mask_d, mask_n,
+           IS_DELTA: tl.constexpr):
+    """Token j of the chunk as fp32: x, dt per channel (IS_DELTA: delta, stored by pass 1), B, C per state. Past the
+    chunk dt is -inf (delta 0), so delta is exactly 0 (decay 1, input 0): a step on it leaves h as it was, bit for
+    bit, with no branch."""
     ok = j < n_tok      # tl.where, not `mask & ok`: the interpreter types block & scalar as int32
     mask_d = tl.where(ok, mask_d, False)
     mask_n = tl.where(ok, mask_n, False)
     x = tl.load(x_p + j * stride_x_t, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_p + j * stride_dt_t, mask=mask_d, other=NEG_INF).to(tl.float32)
+    dt = tl.load(dt_p + j * stride_dt_t, mask=mask_d, other=0.0 if IS_DELTA else NEG_INF).to(tl.float32)
     B = tl.load(B_p + j * stride_B_t, mask=mask_n, other=0.0).to(tl.float32)
     C = tl.load(C_p + j * stride_C_t, mask=mask_n, other=0.0).to(tl.float32)
     return x, dt, B, C
 
 
 @_device_function
-def _step(h, dsum, A, x, dt, B, C, y_p, so_p, j, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
-          SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, TILES: tl.constexpr):
+def _step(h, dsum, A, x, dt, B, C, y_p, so_p, dl_p, j, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
+          SUMMARY: tl.constexpr, HAS_STATES_OUT: tl.constexpr, TILES: tl.constexpr, DELTA: tl.constexpr):
     """One token: h = exp(delta*A)*h + B*(delta*x), as llama.cpp's ssm_scan (x*delta first; A holds A*log2 e);
-    then y (or, in pass 1, the sum of the deltas) and h into states_out."""
-    delta = _softplus(dt)
+    then y (or, in pass 1, the sum of the deltas, and with DELTA the delta itself at dl_p) and h into states_out.
+    With DELTA pass 2's dt is already delta."""
+    delta = dt if DELTA and not SUMMARY else _softplus(dt)
     decay_t = tl.exp2(_col(delta, TILES) * A)
     h = decay_t * h + _row(B, TILES) * _col(delta * x, TILES)
     if SUMMARY:
         dsum = dsum + delta       # the chunk's decay product is exp(A * sum delta): one exp, at its end
+        if DELTA:
+            tl.store(dl_p + j * stride_y_t, delta, mask=tl.where(j < n_tok, mask_d, False))
     else:
         ok = j < n_tok
         y = tl.reduce(h * _row(C, TILES), 1, tl.standard._sum_combine, keep_dims=TILES)   # tl.sum, see top
@@ -192,6 +197,7 @@ def _ssm_scan_kernel(
     states_out_ptr,     # every h_t [S, T, D, N]; not touched unless HAS_STATES_OUT
     end_ptr,            # chunk summaries [S, N_CHUNKS, D, N], fp32 contiguous: the chunk's final state from h = 0
     decay_ptr,          # ... and the product of its decays, exp(A * sum of delta); unused when N_CHUNKS == 1
+    delta_ptr,          # DELTA: softplus(dt) [S, T, D] fp32 with y's strides, written by pass 1, read by pass 2
     T, D, N, CHUNK_T, N_CHUNKS,     # sizes
     # strides, in elements
     stride_state_s, stride_state_d, stride_state_n,
@@ -209,6 +215,9 @@ def _ssm_scan_kernel(
     TILES: tl.constexpr,            # per-channel and per-state values as [BLOCK_D, 1] and [1, BLOCK_N] tiles
     CHUNKED: tl.constexpr,          # N_CHUNKS > 1
     HAS_STATES_OUT: tl.constexpr,   # write every h_t into states_out
+    DELTA: tl.constexpr,            # chunked: pass 1 runs every chunk and stores delta; pass 2 reads it (no softplus)
+    REVERSE: tl.constexpr,          # pass 2 starts the last chunks (the longest carries) first
+    CARRY2: tl.constexpr,           # the carry loads two chunks' summaries before combining them
     BLOCK_D: tl.constexpr,          # channels per program
     BLOCK_N: tl.constexpr,          # N rounded up to a power of two; padded lanes stay exactly 0
 ):
@@ -224,6 +233,8 @@ def _ssm_scan_kernel(
     pid_s = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1).to(tl.int64)
     pid_c = tl.program_id(2)
+    if REVERSE and not SUMMARY:
+        pid_c = N_CHUNKS - 1 - pid_c
     # TILES: per-channel values as [BLOCK_D, 1] tiles, per-state ones as [1, BLOCK_N]: Triton lays them out as the
     # state's rows and columns, with no exchange between lanes at each step (batch 8 on an H200: 844 us, 976 over
     # 1-D blocks), but converts the state tile in and out: not worth it for one token (batch 64: 13.6 us, 11.4).
@@ -246,6 +257,14 @@ def _ssm_scan_kernel(
         h = _tile(state_ptr + pid_s * stride_state_s + rows * stride_state_d, stride_state_n, mask_rows, N, BLOCK_N)
         if CHUNKED:
             c = 0
+            if CARRY2:                  # two chunks' loads in flight: the carry's loads do not depend on h
+                while c + 1 < pid_c:
+                    d0 = _tile(decay_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N)
+                    e0 = _tile(end_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N)
+                    d1 = _tile(decay_ptr + summary_rows + (c + 1) * D * N, 1, mask_rows, N, BLOCK_N)
+                    e1 = _tile(end_ptr + summary_rows + (c + 1) * D * N, 1, mask_rows, N, BLOCK_N)
+                    h = d1 * (d0 * h + e0) + e1
+                    c += 2
             while c < pid_c:            # carry the state over the chunks before this one
                 h = (_tile(decay_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N) * h
                      + _tile(end_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N))
@@ -257,36 +276,40 @@ def _ssm_scan_kernel(
         t = pid_c * CHUNK_T
         n_tok = tl.minimum(T - t, CHUNK_T)
     x_p = x_ptr + pid_s * stride_x_s + offs_d * stride_x_d + t * stride_x_t
+    dl_p = delta_ptr + pid_s * stride_y_s + offs_d * stride_y_d + t * stride_y_t
     dt_p = dt_ptr + pid_s * stride_dt_s + offs_d * stride_dt_d + t * stride_dt_t
+    IS_DELTA: tl.constexpr = DELTA and not SUMMARY      # pass 2 of DELTA reads delta where it would read dt
+    if IS_DELTA:
+        dt_p, stride_dt_t = dl_p, stride_y_t
     B_p = B_ptr + pid_s * stride_B_s + offs_n * stride_B_n + t * stride_B_t
     C_p = C_ptr + pid_s * stride_C_s + offs_n * stride_C_n + t * stride_C_t
     y_p = y_ptr + pid_s * stride_y_s + offs_d * stride_y_d + t * stride_y_t
     out = (y_p, states_out_ptr + pid_s * stride_so_s + rows * stride_so_d + _row(offs_n, TILES) * stride_so_n
-           + t * stride_so_t)    # where y and states_out get token 0
+           + t * stride_so_t, dl_p)    # where y, states_out and (DELTA) delta get token 0
     strides_t = (stride_x_t, stride_dt_t, stride_B_t, stride_C_t)
     # SLOTS tokens in flight: the loop is unrolled SLOTS times, each slot read SLOTS steps after its load (a rotation
     # x0, x1 = x1, x_next waits on each load a step after issuing it: 1.1-1.5k clocks a step on an H200). `while`:
     # Triton 3.6's interpreter cannot take a runtime int as a range() bound under numpy >= 2.5.
-    x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, 0, n_tok, *strides_t, mask_d, mask_n)
+    x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, 0, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
     if SLOTS == 4:
-        x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, 1, n_tok, *strides_t, mask_d, mask_n)
-        x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, 2, n_tok, *strides_t, mask_d, mask_n)
-        x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, 3, n_tok, *strides_t, mask_d, mask_n)
+        x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, 1, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+        x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, 2, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+        x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, 3, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
     i = 0
     while i < n_tok:
         h, dsum = _step(h, dsum, A, x0, dt0, B0, C0, *out, i, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
-                         SUMMARY, HAS_STATES_OUT, TILES)
-        x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, i + SLOTS, n_tok, *strides_t, mask_d, mask_n)
+                         SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+        x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, i + SLOTS, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
         if SLOTS == 4:
             h, dsum = _step(h, dsum, A, x1, dt1, B1, C1, *out, i + 1, n_tok, stride_y_t, stride_so_t, mask_d,
-                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
-            x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + 5, n_tok, *strides_t, mask_d, mask_n)
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+            x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + 5, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
             h, dsum = _step(h, dsum, A, x2, dt2, B2, C2, *out, i + 2, n_tok, stride_y_t, stride_so_t, mask_d,
-                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
-            x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + 6, n_tok, *strides_t, mask_d, mask_n)
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+            x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + 6, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
             h, dsum = _step(h, dsum, A, x3, dt3, B3, C3, *out, i + 3, n_tok, stride_y_t, stride_so_t, mask_d,
-                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES)
-            x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + 7, n_tok, *strides_t, mask_d, mask_n)
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+            x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + 7, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
         i += SLOTS
 
     if SUMMARY:
@@ -413,19 +436,29 @@ def _but_t(t) -> tuple:
 
 
 def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, strides: tuple, meta: dict):
-    """The step schedule: one pass, or time chunks (pass 1 the chunk summaries, pass 2 the carry and y)."""
+    """The step schedule: one pass, or time chunks (pass 1 the chunk summaries, pass 2 the carry and y).
+
+    Chunked plans may also set DELTA (pass 1 hands each token's softplus to pass 2: 22% fewer instructions in pass 2's
+    loop, pass 1 runs one chunk more and writes 4 bytes a channel and token), REVERSE (pass 2's longest carries are
+    started first) and CARRY2 (two chunks' summaries loaded at once); none changes a bit. Off until an H200 run
+    shows they pay: research/scan_rows/README.md."""
     n_chunks = plan["n_chunks"]
     chunk_t = _cdiv(T, n_chunks)
     n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
-    new_state = tensors[7]
+    y, new_state = tensors[6], tensors[7]
     summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=new_state.device) if n_chunks > 1
                  else new_state.new_empty((2, 1)))
-    args = ((*tensors, summaries[0], summaries[1]), (T, D, N, chunk_t, n_chunks, *strides))
+    delta = n_chunks > 1 and bool(plan.get("DELTA", False))
+    # DELTA: softplus(dt) handed from pass 1 to pass 2, in fp32 with y's strides (y is fresh and contiguous);
+    # otherwise the kernel's pointer is never dereferenced (no allocation: direct calls pay for each)
+    deltas = torch.empty(y.shape, dtype=torch.float32, device=y.device) if delta else new_state
+    args = ((*tensors, summaries[0], summaries[1], deltas), (T, D, N, chunk_t, n_chunks, *strides))
     meta = dict(meta, SLOTS=int(plan.get("SLOTS", 1)), TILES=bool(plan.get("TILES", True)), CHUNKED=n_chunks > 1,
-                SUMMARY=True)
+                SUMMARY=True, DELTA=delta, REVERSE=bool(plan.get("REVERSE", False)),
+                CARRY2=bool(plan.get("CARRY2", False)))
     n_blocks = _cdiv(D, plan["BLOCK_D"])
-    if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0
-        _launch_scan((S, n_blocks, n_chunks - 1), *args, meta)
+    if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0 (DELTA: the last too, for its deltas)
+        _launch_scan((S, n_blocks, n_chunks - (0 if delta else 1)), *args, meta)
     meta["SUMMARY"] = False
     _launch_scan((S, n_blocks, n_chunks), *args, meta)
 

@@ -207,6 +207,26 @@ SCAN_PLANS = {
 }
 
 
+# A chunked plan's options (kernels/triton.py _scan_steps) hand work between the passes or reorder it; the
+# arithmetic of every token is the same, so they change no bit.
+CHUNKED_OPTIONS = [dict(DELTA=True), dict(REVERSE=True), dict(CARRY2=True), dict(DELTA=True, REVERSE=True, CARRY2=True)]
+
+
+@pytest.mark.parametrize("name", ["chunked-3-slots-4", "chunked-5", "chunked-19-slots-4"])
+def test_chunked_scan_options_change_no_bit(plugin, name):
+    S, T, D, N = 2, 37, 40, 12
+    inp, _ = make_inputs(S, T, D, N, 4, seed=3)
+    plain = SCAN_PLANS[name]
+    options = CHUNKED_OPTIONS if name != "chunked-5" else CHUNKED_OPTIONS[-1:]
+    states0 = torch.full((S, T, D, N), float("nan"), device=TORCH_DEVICE)
+    y0, h0 = plugin.module.ssm_scan(*scan_args(inp), states_out=states0, plan=plain)
+    for opts in options:
+        states = torch.full((S, T, D, N), float("nan"), device=TORCH_DEVICE)
+        y, h = plugin.module.ssm_scan(*scan_args(inp), states_out=states, plan=dict(plain, **opts))
+        for a, b in zip((y, h, states), (y0, h0, states0)):
+            assert_same(a, b)
+
+
 @pytest.mark.parametrize("name", SCAN_PLANS)
 def test_every_scan_schedule_matches_reference(plugin, name):
     if DEVICE == "cuda" and name == "tiled-64":

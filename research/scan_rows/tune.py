@@ -22,8 +22,8 @@ bw, er = copy_bandwidth(), exp_rate()
 rows = []
 
 
-def plan(bd, w, nc, slots=4, tiles=True):
-    return dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, SLOTS=slots, TILES=tiles, num_warps=w)
+def plan(bd, w, nc, slots=4, tiles=True, **opts):
+    return dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, SLOTS=slots, TILES=tiles, num_warps=w, **opts)
 
 
 def run(S, L, D, plans, states=False):
@@ -46,16 +46,22 @@ def run(S, L, D, plans, states=False):
     (OUT / "tune.json").write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=1))
 
 
-def P(bd, w, nc, slots=4, tiles=True):
-    return (f"bd{bd} w{w} c{nc} s{slots}{'' if tiles else ' 1-D'}", plan(bd, w, nc, slots, tiles))
+def P(bd, w, nc, slots=4, tiles=True, **opts):
+    return (f"bd{bd} w{w} c{nc} s{slots}{'' if tiles else ' 1-D'}{''.join(' ' + k for k in opts)}",
+            plan(bd, w, nc, slots, tiles, **opts))
 
 
-run(1, 2048, 5120, [P(32, 1, c) for c in (10, 11, 12, 14, 16, 20)] + [P(64, 2, c) for c in (12, 16)])
-run(8, 2048, 5120, [P(32, 1, 1), P(64, 2, 1), P(32, 1, 1, 4, False), P(32, 1, 2), P(32, 1, 3)])
-run(1, 2048, 1536, [P(32, 1, c) for c in (24, 32, 38)])
-run(1, 8192, 5120, [P(32, 1, c) for c in (11, 16, 24, 32)])
-run(1, 512, 5120, [P(32, 1, c) for c in (6, 8)])
-run(1, 2048, 5120, [], states=True)
+# the chunked plans' options (kernels/triton.py _scan_steps; research/scan_rows/sass.py counts their instructions)
+D_, R_, C_ = dict(DELTA=True), dict(REVERSE=True), dict(CARRY2=True)
+ALL = dict(DELTA=True, REVERSE=True, CARRY2=True)
+run(1, 2048, 5120, [P(32, 1, 24, **o) for o in (D_, R_, C_, dict(D_, **R_), ALL)] + [P(32, 1, c, **ALL) for c in (
+    16, 20, 28, 30)] + [P(32, 1, c) for c in (16, 20)])
+run(2, 2048, 5120, [P(32, 1, 12, **ALL), P(32, 1, 12, **R_)])
+run(8, 2048, 5120, [P(32, 1, 1), P(32, 1, 2), P(32, 1, 3), P(32, 1, 2, **R_), P(32, 1, 3, **R_), P(32, 1, 3, **ALL)])
+run(1, 2048, 1536, [P(32, 1, c, **ALL) for c in (32, 38)])
+run(1, 8192, 5120, [P(32, 1, 24, **ALL), P(32, 1, 24, **R_)])
+run(1, 512, 5120, [P(32, 1, 8, **ALL)])
+run(1, 2048, 5120, [P(32, 1, 24, **ALL)], states=True)
 run(1, 1, 5120, [P(64, 1, 1, 1, False)])
 run(64, 1, 5120, [P(32, 1, 1, 1, False), P(64, 2, 1, 1, False)])
 run(1, 64, 5120, [P(32, 1, 1, 4)])
