@@ -232,11 +232,10 @@ def cmd_sweep(args) -> int:
     from .sweep import Interrupted, auto_workers, run_sweep  # noqa: PLC0415
     guard_outputs(args, **{"--json": args.json, "--json (interrupted)": args.json and _incomplete_path(args.json)})
     model, ids = model_and_prompt(args)
-    offloads = _int_list(args.offloads) if args.offloads else None
     workers = auto_workers(model, args.device) if args.workers is None else args.workers
     try:
-        sw = run_sweep(model, ids, settings_from(args), offloads, _int_list(args.ubatches),
-                       _int_list(args.n_seqs_list), workers=workers, ray=args.ray)
+        sw = run_sweep(model, ids, settings_from(args), args.offloads, args.ubatches, args.n_seqs_list,
+                       workers=workers, ray=args.ray)
     except Interrupted as stop:                # keep the finished cells, in a file of their own
         return _keep_partial(args, "sweep", stop)
     ubs = sw["ubatches"]
@@ -358,9 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--three-way", action="store_true", help="with --engine llama.cpp: the float64 reference vs "
                    "llama.cpp on its CPU backend vs on CUDA (one CUDA build), in one run and one report")
     p = _run_command(sub, "sweep", cmd_sweep, "first divergence over offload x ubatch (x sequences)")
-    p.add_argument("--offloads", default=None, help="offload counts (default 0..n_layer+1)")
-    p.add_argument("--ubatches", default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")
-    p.add_argument("--n-seqs-list", default="1", help="sequence counts (default 1)")
+    p.add_argument("--offloads", type=_int_list, default=None, help="offload counts (default 0..n_layer+1)")
+    p.add_argument("--ubatches", type=_int_list, default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")
+    p.add_argument("--n-seqs-list", type=_int_list, default="1", help="sequence counts (default 1)")
     p.add_argument("--workers", type=_int_at_least("--workers", 1), default=None,
                    help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU)")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",

@@ -51,6 +51,8 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
     runs = _runs_for(model, base, offloads)
     jobs = [base.replace(offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)
             for s, u, o in grid if runs[o] == o]
+    for job in jobs:                        # every cell's settings checked before the first one runs
+        job.validated(model.config)
     if workers > 1:     # longest first, so that no worker is left with one long run at the end
         jobs.sort(key=lambda j: -_cost(j, L, len(prompt_ids)))
     t0 = time.perf_counter()

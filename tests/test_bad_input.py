@@ -128,3 +128,19 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path, hf_dir):
         r = _cli(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and "error" in r.stderr
+
+
+def test_sweep_lists_are_checked_before_any_cell_runs(small_model, monkeypatch):
+    """A bad list is a usage error that names its flag; an impossible cell (ubatch 0) stops the sweep before its
+    first cell, in the API (run_sweep) as on the command line, instead of failing inside it."""
+    from mamba_debug import sweep
+    monkeypatch.setattr(sweep, "run_compare", lambda *a, **k: pytest.fail("a cell ran before the check"))
+    run_sweep = sweep.run_sweep
+    with pytest.raises(MambaDebugError, match="ubatch must be an integer >= 1"):
+        run_sweep(small_model, [1, 2, 3], md.RunSettings(n_gen=1), offloads=[0], ubatches=[1, 0], progress=False)
+    for args, said in ((["--ubatches", "1,x"], "argument --ubatches: expected a list like 1,2,8"),
+                       (["--offloads", "3..1"], "argument --offloads: '3..1' is an empty list or a reversed range"),
+                       (["--ubatches", "0", "--offloads", "0"], "ubatch must be an integer >= 1")):
+        r = _cli("sweep", "--workers", "1", *args)
+        assert r.returncode == 2 and said in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr and "This is a bug" not in r.stderr
