@@ -201,6 +201,9 @@ SCAN_PLANS = {
     "chunked-5": dict(schedule="steps", BLOCK_D=64, n_chunks=5, SLOTS=1, TILES=False, num_warps=2),
     "chunked-2-slots-1-tiles": dict(schedule="steps", BLOCK_D=32, n_chunks=2, SLOTS=1, num_warps=1),
     "chunked-19-slots-4": dict(schedule="steps", BLOCK_D=64, n_chunks=19, SLOTS=4, num_warps=2),
+    # two state rows a lane (64 channels, one warp) and every chunked option (research/scan_rows/tune.py)
+    "chunked-4-rows-2-options": dict(schedule="steps", BLOCK_D=64, n_chunks=4, SLOTS=4, num_warps=1, DELTA=True,
+                                     REVERSE=True, CARRY2=True),
     "tiled-4": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=4, num_warps=1),
     "tiled-16": dict(schedule="tiled", BLOCK_D=16, n_chunks=1, TILE_T=16, num_warps=1),
     "tiled-64": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=64, num_warps=1),    # one tile, 27 rows past T

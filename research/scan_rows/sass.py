@@ -90,17 +90,21 @@ def main():
              ("  DELTA: pass 1 (every chunk)", 1, 24, dict(off, SUMMARY=True, DELTA=True)),
              ("  DELTA: pass 2", 1, 24, dict(off, SUMMARY=False, DELTA=True)),
              ("  DELTA, REVERSE, CARRY2: pass 2", 1, 24, dict(SUMMARY=False, DELTA=True, REVERSE=True, CARRY2=True)),
-             ("batch 8, one pass", 8, 1, dict(SUMMARY=False, **off))]
+             ("batch 8, one pass", 8, 1, dict(SUMMARY=False, **off)),
+             ("64 channels a warp: batch 8, one pass", 8, 1, dict(SUMMARY=False, BLOCK_D=64, **off)),
+             ("  batch 1: DELTA pass 1", 1, 24, dict(off, SUMMARY=True, DELTA=True, BLOCK_D=64)),
+             ("  batch 1: DELTA pass 2", 1, 24, dict(off, SUMMARY=False, DELTA=True, BLOCK_D=64))]
     print(f"triton {triton.__version__}, sm_90, d_inner 5120, L 2048; loop = four tokens of one warp\n")
     print(f"| case | registers | loop | per element | {' | '.join(SHOWN)} |")
     print("|---|---|---|---|" + "---|" * len(SHOWN))
     for name, S, chunks, consts in cases:
         k = build(mod._ssm_scan_kernel, launch_values(S, 2048, 5120, 16, chunks),
-                  dict(base, CHUNKED=chunks > 1, **consts))
+                  dict(base, CHUNKED=chunks > 1) | consts)
         regs = re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", k)).group(1)
         ops = longest_loop(_tool("cuobjdump", "-sass", k))
         n = sum(ops.values())
-        print(f"| {name} | {regs} | {n} | {n / (4 * 16):.2f} | " + " | ".join(str(ops[o]) for o in SHOWN) + " |")
+        lanes_rows = consts.get("BLOCK_D", base["BLOCK_D"]) // 32          # state rows a lane holds
+        print(f"| {name} | {regs} | {n} | {n / (4 * 16 * lanes_rows):.2f} | " + " | ".join(str(ops[o]) for o in SHOWN) + " |")
 
 
 if __name__ == "__main__":
