@@ -440,27 +440,28 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
 
     Chunked plans may also set DELTA (pass 1 hands each token's softplus to pass 2: 22% fewer instructions in pass 2's
     loop, pass 1 runs one chunk more and writes 4 bytes a channel and token), REVERSE (pass 2's longest carries are
-    started first) and CARRY2 (two chunks' summaries loaded at once); none changes a bit. Off until an H200 run
-    shows they pay: research/scan_rows/README.md."""
+    started first), CARRY2 (two chunks' summaries loaded at once) and BLOCK_D_PASS1 (pass 1's channel block); none
+    changes a bit. Off until an H200 run shows they pay: research/scan_rows/README.md."""
     n_chunks = plan["n_chunks"]
     chunk_t = _cdiv(T, n_chunks)
     n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
     y, new_state = tensors[6], tensors[7]
-    summaries = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=new_state.device) if n_chunks > 1
-                 else new_state.new_empty((2, 1)))
     delta = n_chunks > 1 and bool(plan.get("DELTA", False))
-    # DELTA: softplus(dt) handed from pass 1 to pass 2, in fp32 with y's strides (y is fresh and contiguous);
-    # otherwise the kernel's pointer is never dereferenced (no allocation: direct calls pay for each)
+    # Scratch only where a pass reads it: the chunk summaries, and with DELTA softplus(dt) in fp32 with y's strides (y
+    # is fresh and contiguous). Otherwise the kernel's pointers are never dereferenced and get new_state: no
+    # allocation (a direct call pays for each, ~6 us of host time on the H200 machine).
+    end, decay = (torch.empty((2, S, n_chunks, D, N), dtype=torch.float32, device=y.device) if n_chunks > 1
+                  else (new_state, new_state))
     deltas = torch.empty(y.shape, dtype=torch.float32, device=y.device) if delta else new_state
-    args = ((*tensors, summaries[0], summaries[1], deltas), (T, D, N, chunk_t, n_chunks, *strides))
+    args = ((*tensors, end, decay, deltas), (T, D, N, chunk_t, n_chunks, *strides))
     meta = dict(meta, SLOTS=int(plan.get("SLOTS", 1)), TILES=bool(plan.get("TILES", True)), CHUNKED=n_chunks > 1,
                 SUMMARY=True, DELTA=delta, REVERSE=bool(plan.get("REVERSE", False)),
                 CARRY2=bool(plan.get("CARRY2", False)))
-    n_blocks = _cdiv(D, plan["BLOCK_D"])
     if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0 (DELTA: the last too, for its deltas)
-        _launch_scan((S, n_blocks, n_chunks - (0 if delta else 1)), *args, meta)
+        block_1 = int(plan.get("BLOCK_D_PASS1", plan["BLOCK_D"]))    # summaries and deltas are per channel
+        _launch_scan((S, _cdiv(D, block_1), n_chunks - (0 if delta else 1)), *args, dict(meta, BLOCK_D=block_1))
     meta["SUMMARY"] = False
-    _launch_scan((S, n_blocks, n_chunks), *args, meta)
+    _launch_scan((S, _cdiv(D, plan["BLOCK_D"]), n_chunks), *args, meta)
 
 
 OPS = {"ssm_conv": ssm_conv, "ssm_scan": ssm_scan}

@@ -58,7 +58,7 @@ ALL = dict(DELTA=True, REVERSE=True, CARRY2=True)
 # against 10.9 in one pass, 6.5 in DELTA's pass 2 (sass.py), at 168 registers (254 in DELTA's pass 1)
 run(1, 2048, 5120, [P(32, 1, 24, **o) for o in (D_, R_, C_, dict(D_, **R_), ALL)] + [P(32, 1, c, **ALL) for c in (
     16, 20, 28, 30)] + [P(32, 1, c) for c in (16, 20)] + [P(64, 1, c, **o) for c in (12, 16, 19, 24) for o in (
-    R_, ALL)])
+    R_, ALL, dict(ALL, BLOCK_D_PASS1=32))])
 run(2, 2048, 5120, [P(32, 1, 12, **ALL), P(32, 1, 12, **R_), P(64, 1, 10, **ALL), P(64, 1, 10, **R_)])
 run(8, 2048, 5120, [P(32, 1, 1), P(32, 1, 2), P(32, 1, 3), P(32, 1, 2, **R_), P(32, 1, 3, **R_), P(32, 1, 3, **ALL),
                     P(64, 1, 1), P(64, 1, 1, 1), P(64, 1, 2, **R_), P(64, 1, 2, **ALL)])
