@@ -155,8 +155,8 @@ def _tile(p, sn, m, N, BLOCK_N: tl.constexpr):
 def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, stride_C_t, mask_d, mask_n,
            IS_DELTA: tl.constexpr):
     """Token j of the chunk as fp32: x, dt per channel (IS_DELTA: delta, stored by pass 1), B, C per state. Past the
-    chunk dt is -inf (delta 0), so delta is exactly 0 (decay 1, input 0): a step on it leaves h as it was, bit for
-    bit, with no branch."""
+    chunk dt is -inf (IS_DELTA: delta is 0), so delta is exactly 0 (decay 1, input 0): a step on it leaves h as it
+    was, bit for bit, with no branch."""
     ok = j < n_tok      # tl.where, not `mask & ok`: the interpreter types block & scalar as int32
     mask_d = tl.where(ok, mask_d, False)
     mask_n = tl.where(ok, mask_n, False)

@@ -122,7 +122,8 @@ class RunSettings:
                 raise MambaDebugError(f"unknown site name {s!r}; the sites are {', '.join(sites)}")
         for layer in self.capture_layers or ():
             if not 0 <= int(layer) < cfg.n_layer:
-                raise MambaDebugError(f"capture layer {layer} out of range: the model's layers are 0..{cfg.n_layer - 1}")
+                raise MambaDebugError(f"capture layer {layer} out of range: the model's layers are "
+                                      f"0..{cfg.n_layer - 1}")
         if self.engine not in ENGINES:
             raise MambaDebugError(f"unknown engine {self.engine!r}: choose one of {ENGINES}")
         if self.engine == "llama.cpp" and self.repeat > 1:

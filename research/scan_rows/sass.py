@@ -104,7 +104,8 @@ def main():
         ops = longest_loop(_tool("cuobjdump", "-sass", k))
         n = sum(ops.values())
         lanes_rows = consts.get("BLOCK_D", base["BLOCK_D"]) // 32          # state rows a lane holds
-        print(f"| {name} | {regs} | {n} | {n / (4 * 16 * lanes_rows):.2f} | " + " | ".join(str(ops[o]) for o in SHOWN) + " |")
+        counts = " | ".join(str(ops[o]) for o in SHOWN)
+        print(f"| {name} | {regs} | {n} | {n / (4 * 16 * lanes_rows):.2f} | {counts} |")
 
 
 if __name__ == "__main__":
