@@ -1,5 +1,10 @@
 """H200: kernels/triton.py's ssm_scan under forced plans (block, warps, chunks, slots, tiles) and its default plan;
-each checked against float64. Prints a table last; writes tune.json to $OUT."""
+each checked against float64. Prints a table last; writes tune.json to $OUT.
+
+    TRITON_INTERPRET=0 python3 research/scan_rows/tune.py [b1] [b8] [other]   # some shape groups (default: all)
+
+The groups split the run across device calls (600 s each) if the whole one does not fit: b1 the d_inner-5120, L-2048
+batch-1 and batch-2 prompts, b8 batch 8, other the rest."""
 import json
 import os
 import sys
@@ -26,7 +31,20 @@ def plan(bd, w, nc, slots=4, tiles=True, **opts):
     return dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, SLOTS=slots, TILES=tiles, num_warps=w, **opts)
 
 
+GROUPS = set(sys.argv[1:]) or {"b1", "b8", "other"}
+if GROUPS - {"b1", "b8", "other"}:
+    sys.exit(f"tune.py: unknown group(s) {sorted(GROUPS - {'b1', 'b8', 'other'})}; choose from b1, b8, other")
+
+
+def group(S, L, D, states):
+    if (L, D) == (2048, 5120) and S in (1, 2) and not states:
+        return "b1"
+    return "b8" if (S, L, D) == (8, 2048, 5120) else "other"
+
+
 def run(S, L, D, plans, states=False):
+    if group(S, L, D, states) not in GROUPS:
+        return
     h0, x, dt, A, B, C = scan_inputs(S, L, D)
     ref = ops.ssm_scan(*(t.double() for t in (h0, x, dt, A, B, C)))
     floor = max(4 * (3 * S * L * D + 2 * S * L * 16 + D * 16 + 2 * S * D * 16) / bw, S * L * D * 16 / er) * 1e6
