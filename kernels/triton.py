@@ -152,6 +152,13 @@ def _tile(p, sn, m, N, BLOCK_N: tl.constexpr):
 
 
 @_device_function
+def _summary(decay_ptr, end_ptr, rows, c, D, N, mask_rows, BLOCK_N: tl.constexpr):
+    """Chunk c's decay product P_c and final state E_c (pass 1's summaries), [BLOCK_D, BLOCK_N] fp32."""
+    return (_tile(decay_ptr + rows + c * D * N, 1, mask_rows, N, BLOCK_N),
+            _tile(end_ptr + rows + c * D * N, 1, mask_rows, N, BLOCK_N))
+
+
+@_device_function
 def _token(x_p, dt_p, B_p, C_p, j, n_tok, stride_x_t, stride_dt_t, stride_B_t, stride_C_t, mask_d, mask_n,
            IS_DELTA: tl.constexpr):
     """Token j of the chunk as fp32: x, dt per channel (IS_DELTA: delta, stored by pass 1), B, C per state. Past the
@@ -259,15 +266,13 @@ def _ssm_scan_kernel(
             c = 0
             if CARRY2:                  # two chunks' loads in flight: the carry's loads do not depend on h
                 while c + 1 < pid_c:
-                    d0 = _tile(decay_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N)
-                    e0 = _tile(end_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N)
-                    d1 = _tile(decay_ptr + summary_rows + (c + 1) * D * N, 1, mask_rows, N, BLOCK_N)
-                    e1 = _tile(end_ptr + summary_rows + (c + 1) * D * N, 1, mask_rows, N, BLOCK_N)
+                    d0, e0 = _summary(decay_ptr, end_ptr, summary_rows, c, D, N, mask_rows, BLOCK_N)
+                    d1, e1 = _summary(decay_ptr, end_ptr, summary_rows, c + 1, D, N, mask_rows, BLOCK_N)
                     h = d1 * (d0 * h + e0) + e1
                     c += 2
             while c < pid_c:            # carry the state over the chunks before this one
-                h = (_tile(decay_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N) * h
-                     + _tile(end_ptr + summary_rows + c * D * N, 1, mask_rows, N, BLOCK_N))
+                d0, e0 = _summary(decay_ptr, end_ptr, summary_rows, c, D, N, mask_rows, BLOCK_N)
+                h = d0 * h + e0
                 c += 1
 
     t = 0                       # this program's tokens: [t, t + n_tok)
