@@ -230,6 +230,39 @@ def test_site_errors_on_the_cpu_is_the_torch_version():
         assert torch.equal(got[m], want[m])
 
 
+def test_the_torch_versions_finite_path_gives_the_masked_paths_bits():
+    """All-finite values skip the NaN/inf masks (half the torch version's passes): the same bits as with the masks,
+    for float32/16 and float64 device values, strided and transposed views, zero rows and values near the largest
+    whose square stays finite. A finite value whose square overflows takes the masked path."""
+    if DEVICE == "cuda":
+        pytest.skip("the torch version on the CPU: checked by the CPU run")
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        for shape in [(1, 1, 7), (2, 3, 100), (1, 8, 4096), (3, 2, 16, 5)]:
+            ref = torch.randn(shape, generator=g, dtype=torch.float64)
+            cases.append(((ref + 1e-3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype), ref))
+    wide = torch.randn(2, 5, 48, generator=g, dtype=torch.float64)
+    cases.append((wide[..., :16].float(), wide[..., 16:32]))                         # strided slices
+    cases.append((wide.transpose(1, 2).float(), wide.transpose(1, 2)))                # transposed
+    zero = torch.randn(2, 4, 9, generator=g, dtype=torch.float64)
+    zero[0, 1] = 0
+    dev = zero.clone()
+    dev[1, 2] = 0
+    cases.append((dev, zero))
+    big = torch.full((1, 2, 3), 1e150, dtype=torch.float64)
+    cases.append((big * 1.5, big))                                                   # squares near 1e300: finite
+    for dev, ref in cases:
+        fast, masked = _site_errors_torch(dev, ref), _site_errors_torch(dev, ref, masks=True)
+        for m in METRICS:
+            assert torch.equal(fast[m].view(torch.int64), masked[m].view(torch.int64)), (m, dev.shape, dev.dtype)
+    ref = torch.ones(1, 2, 3, dtype=torch.float64)
+    dev = ref.clone()
+    dev[0, 0, 1] = 1e200                  # finite, its square inf: the masked path, still a finite error
+    out = _site_errors_torch(dev, ref)
+    assert out["max_abs"][0, 0] == 1e200 - 1 and out["rel_l2"][0, 1] == 0 and torch.isnan(out["nmse"]).sum() == 0
+
+
 def test_many_sites_at_once_are_each_site_bit_for_bit():
     """site_errors_many stacks the pairs of one shape (one torch thread): every value as site_errors gives it alone,
     including NaN/inf patterns, float32-vs-float64 pairs, single-token rows and a non-contiguous pair."""
