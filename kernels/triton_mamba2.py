@@ -13,6 +13,9 @@ Two schedules for the scan, one program per (sequence, head):
   + e^{Λt} C Sᵀ; S ← e^{Λlast} S + (x ∘ e^{Λlast-Λ} δ)ᵀ B. Chunks start at the ubatch start; the state carries
   over chunk to chunk and ubatch to ubatch.
 * `steps` (decode, and whenever per-token states are wanted): the recurrence token by token, state in registers.
+  Under the interpreter `heads` instead: the same steps for every head of a sequence in one program (the
+  interpreter's cost is per operation, not per element: 4-17x less time for the same bits on the shipped shape).
+The norm likewise: a program per token and group (`row`), interpreted many tokens and every group at once (`rows`).
 """
 import os
 
@@ -141,25 +144,100 @@ def _gated_norm_kernel(
     tl.store(y_ptr + s * y_s + t * y_t + offs * y_d, v * inv * wv, mask=m)
 
 
+# The interpreter's schedules (scan_plan, norm_plan pick them under TRITON_INTERPRET only): there every tl operation
+# costs 20-200 us of Python whatever its tile, so one program takes every head, or every row, at once. Each element is
+# the same fp32 arithmetic in the same order as in the kernels above and each sum runs over the same contiguous last
+# axis, so they give the same bits on the CPU (tests/test_triton_mamba2.py). They compile for a GPU too; no GPU plan
+# uses them.
+@triton.jit
+def _ssd_steps_heads_kernel(
+    s0_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, s1_ptr, so_ptr,
+    T, H, P, N, heads_per_group,
+    s0_s, s0_h, s0_p, s0_n, x_s, x_t, x_h, x_p, dt_s, dt_t, dt_h, A_h,
+    B_s, B_t, B_g, B_n, C_s, C_t, C_g, C_n, y_s, y_t, y_h, y_p, s1_s, s1_h, s1_p, s1_n,
+    so_s, so_t, so_h, so_p, so_n,
+    HAS_STATES_OUT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # _ssd_steps_kernel for every head of sequence s: the state as an [H, P, N] tile, per-head values as [H, 1, 1]
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H).to(tl.int64)[:, None, None]
+    p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :, None]
+    n = tl.arange(0, BLOCK_N).to(tl.int64)[None, None, :]
+    g = h // heads_per_group
+    mh = h < H
+    mhp, mhn = mh & (p < P), mh & (n < N)
+    m3 = mhp & (n < N)
+    st = tl.load(s0_ptr + s * s0_s + h * s0_h + p * s0_p + n * s0_n, mask=m3, other=0.0).to(tl.float32)
+    a = tl.load(A_ptr + h * A_h, mask=mh, other=0.0).to(tl.float32)
+    # each operand's offsets at token 0, moved on by its token stride each step (one operation each)
+    dt_p = dt_ptr + s * dt_s + h * dt_h
+    x_q = x_ptr + s * x_s + h * x_h + p * x_p
+    B_q = B_ptr + s * B_s + g * B_g + n * B_n
+    C_q = C_ptr + s * C_s + g * C_g + n * C_n
+    y_q = y_ptr + s * y_s + h * y_h + p * y_p
+    so_q = so_ptr + s * so_s + h * so_h + p * so_p + n * so_n
+    for _ in range(T):
+        d = _softplus(tl.load(dt_p, mask=mh, other=0.0).to(tl.float32))                   # [H, 1, 1]
+        xv = tl.load(x_q, mask=mhp, other=0.0).to(tl.float32)                             # [H, P, 1]
+        bv = tl.load(B_q, mask=mhn, other=0.0).to(tl.float32)                             # [H, 1, N]
+        cv = tl.load(C_q, mask=mhn, other=0.0).to(tl.float32)
+        st = tl.exp(d * a) * st + (d * xv) * bv
+        yv = tl.reduce(st * cv, 2, tl.standard._sum_combine, keep_dims=True)              # [H, P, 1]
+        tl.store(y_q, yv, mask=mhp)
+        if HAS_STATES_OUT:
+            tl.store(so_q, st, mask=m3)
+            so_q += so_t
+        dt_p += dt_t
+        x_q += x_t
+        B_q += B_t
+        C_q += C_t
+        y_q += y_t
+    tl.store(s1_ptr + s * s1_s + h * s1_h + p * s1_p + n * s1_n, st, mask=m3)
+
+
+@triton.jit
+def _gated_norm_rows_kernel(
+    x_ptr, z_ptr, w_ptr, y_ptr, R, T, group, n_groups, eps,
+    x_s, x_t, x_d, z_s, z_t, z_d, w_d, y_s, y_t, y_d,
+    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # _gated_norm_kernel for BLOCK_R rows (s, t) and every group q at once: [BLOCK_R, BLOCK_Q, BLOCK] tiles
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)[:, None, None]
+    s, t = row // T, row % T
+    q = tl.arange(0, BLOCK_Q).to(tl.int64)[None, :, None]
+    e = tl.arange(0, BLOCK)[None, None, :]
+    offs = q * group + e
+    mw = (q < n_groups) & (e < group)
+    m = (row < R) & mw
+    xv = tl.load(x_ptr + s * x_s + t * x_t + offs * x_d, mask=m, other=0.0).to(tl.float32)
+    zv = tl.load(z_ptr + s * z_s + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
+    v = xv * zv / (1.0 + tl.exp(-zv))
+    inv = 1.0 / tl.sqrt(tl.reduce(v * v, 2, tl.standard._sum_combine, keep_dims=True) / group + eps)
+    wv = tl.load(w_ptr + offs * w_d, mask=mw, other=0.0).to(tl.float32)
+    tl.store(y_ptr + s * y_s + t * y_t + offs * y_d, v * inv * wv, mask=m)
+
+
 def _check_device(op, **tensors):
     check_device(op, INTERPRET, **tensors)
 
 
 # Triton's per-call host work (argument binding, its specialization key) done once per argument key
-_launch_steps, _launch_chunked, _launch_norm = (Launch(k, INTERPRET) for k in (
-    _ssd_steps_kernel, _ssd_chunked_kernel, _gated_norm_kernel))
+_launch_steps, _launch_chunked, _launch_norm, _launch_heads, _launch_norm_rows = (Launch(k, INTERPRET) for k in (
+    _ssd_steps_kernel, _ssd_chunked_kernel, _gated_norm_kernel, _ssd_steps_heads_kernel, _gated_norm_rows_kernel))
+NORM_TILE = 1 << 16         # elements of one interpreted norm program's tiles (rows x groups x group block)
 
 
 def scan_plan(S, T, H, P, N, states_out: bool) -> dict:
-    """steps for decode and per-token states; chunked SSD otherwise. Q: 16 interpreted (fewest operations on
-    small tiles), 64 compiled."""
+    """steps for decode and per-token states (interpreted: heads, the same steps for every head in one program);
+    chunked SSD otherwise. Q: 16 interpreted (fewest operations on small tiles), 64 compiled."""
     if states_out or T <= 2:
-        return dict(schedule="steps")
+        return dict(schedule="heads" if INTERPRET else "steps")
     return dict(schedule="chunked", chunk_size=16 if INTERPRET else 64)
 
 
 def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = None):
-    """Mamba-2 scan of one ubatch (module docstring). plan: {"schedule": "steps" | "chunked", "chunk_size": Q}."""
+    """Mamba-2 scan of one ubatch (module docstring). plan: {"schedule": "steps" | "heads" | "chunked",
+    "chunk_size": Q}."""
     S, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     _check("ssd_scan", tuple(ssm_state.shape) == (S, H, P, N), "ssm_state must be [S, H, P, N]",
@@ -182,9 +260,14 @@ def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = 
     common = (T, P, N, H // G)
     strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
                *y.stride(), *new_state.stride())
+    so = states_out if states_out is not None else new_state
+    so_strides = states_out.stride() if states_out is not None else (0,) * 5
+    if plan["schedule"] == "heads":
+        _launch_heads((S,), (ssm_state, x, dt, A, B, C, y, new_state, so), (T, H, P, N, H // G, *strides, *so_strides),
+                      dict(HAS_STATES_OUT=states_out is not None, BLOCK_H=next_pow2(H), BLOCK_P=block_p,
+                           BLOCK_N=block_n))
+        return y, new_state
     if plan["schedule"] == "steps" or states_out is not None:
-        so = states_out if states_out is not None else new_state
-        so_strides = states_out.stride() if states_out is not None else (0,) * 5
         _launch_steps((S, H), (ssm_state, x, dt, A, B, C, y, new_state, so), (*common, *strides, *so_strides),
                       dict(HAS_STATES_OUT=states_out is not None, BLOCK_P=block_p, BLOCK_N=block_n))
         return y, new_state
@@ -196,8 +279,9 @@ def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = 
     return y, new_state
 
 
-def rms_norm_gated(x, z, weight, eps, n_groups):
-    """Gate then grouped RMSNorm (module docstring); x, z [S, T, Dn] (any strides), weight [Dn]."""
+def rms_norm_gated(x, z, weight, eps, n_groups, *, plan: dict | None = None):
+    """Gate then grouped RMSNorm (module docstring); x, z [S, T, Dn] (any strides), weight [Dn].
+    plan: {"schedule": "row" (a program per token and group) | "rows" (interpreted: many tokens, every group)}."""
     _check("rms_norm_gated", x.dim() == 3 and z.shape == x.shape and tuple(weight.shape) == (x.shape[-1],)
            and x.shape[-1] % n_groups == 0, "x, z must be [S, T, Dn], weight [Dn], n_groups dividing Dn",
            x=x, z=z, weight=weight)
@@ -205,7 +289,14 @@ def rms_norm_gated(x, z, weight, eps, n_groups):
     S, T, Dn = x.shape
     y = torch.empty((S, T, Dn), dtype=x.dtype, device=x.device)
     group = Dn // n_groups
-    if S * T:
+    schedule = (plan or {}).get("schedule", "rows" if INTERPRET else "row")
+    if S * T and schedule == "rows":
+        block, block_q = next_pow2(group), next_pow2(n_groups)
+        rows = min(next_pow2(S * T), max(1, NORM_TILE // (block * block_q)))
+        _launch_norm_rows((triton.cdiv(S * T, rows),), (x, z, weight, y),
+                          (S * T, T, group, n_groups, float(eps), *x.stride(), *z.stride(), *weight.stride(),
+                           *y.stride()), dict(BLOCK_R=rows, BLOCK_Q=block_q, BLOCK=block))
+    elif S * T:
         _launch_norm((S * T, n_groups), (x, z, weight, y),
                      (T, group, float(eps), *x.stride(), *z.stride(), *weight.stride(), *y.stride()),
                      dict(BLOCK=next_pow2(group)))

@@ -49,6 +49,8 @@ build(interp._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK
 build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=True, BLOCK_P=64, BLOCK_N=128))
 build(k2._ssd_chunked_kernel, dict(BLOCK_Q=64, BLOCK_P=64, BLOCK_N=128))
 build(k2._gated_norm_kernel, dict(BLOCK=1024), floats=("eps",))
+build(k2._ssd_steps_heads_kernel, dict(HAS_STATES_OUT=True, BLOCK_H=8, BLOCK_P=32, BLOCK_N=32))   # interpreter's
+build(k2._gated_norm_rows_kernel, dict(BLOCK_R=16, BLOCK_Q=2, BLOCK=128), floats=("eps",))
 f64 = {"b_ptr": "*fp64", "out_ptr": "*fp64", "part_ptr": "*fp64", "table_ptr": "*i64",
        **{f"b{k}_ptr": "*fp64" for k in range(16)}}
 build(m._sites_kernel, dict(A_TWO=True, A_VEC=0, B_TWO=False, B_VEC=2, X_VEC=2, ROWS=1, BLOCK_X=512), types=f64,

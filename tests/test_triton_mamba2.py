@@ -59,11 +59,12 @@ CASES = [
     (3, 11, 4, 2, 8, 8, {"schedule": "chunked", "chunk_size": 5}),
     (1, 9, 4, 4, 4, 16, {"schedule": "chunked", "chunk_size": 16}),
     (2, 10, 6, 2, 4, 4, {"schedule": "steps"}),
+    (2, 10, 6, 3, 4, 5, {"schedule": "heads"}),
     (3, 1, 4, 2, 8, 8, None),
 ]
 
 
-@pytest.mark.parametrize("S,T,H,G,P,N,plan", CASES, ids=[f"S{c[0]}-T{c[1]}-H{c[2]}-G{c[3]}-{(c[6] or {}).get('chunk_size', 'steps')}" for c in CASES])
+@pytest.mark.parametrize("S,T,H,G,P,N,plan", CASES, ids=[f"S{c[0]}-T{c[1]}-H{c[2]}-G{c[3]}-{(c[6] or {}).get('chunk_size', (c[6] or {}).get('schedule', 'plan'))}" for c in CASES])
 def test_ssd_scan_matches_float64(k, S, T, H, G, P, N, plan):
     args = scan_inputs(S, T, H, G, P, N)
     y0, h0 = ops.ssd_scan(*args)
@@ -104,8 +105,28 @@ def test_ssd_scan_softplus_threshold_and_large_decay(k):
     assert torch.isfinite(y).all() and rel(y, y0) <= REL and rel(h, h0) <= REL
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="bits of the interpreter's schedules: checked by the CPU run")
+@pytest.mark.parametrize("S,T,H,G,P,N", [(2, 10, 6, 2, 4, 4), (1, 27, 8, 2, 32, 32), (3, 1, 5, 5, 8, 7), (2, 4, 3, 1, 5, 3)])
+def test_the_interpreters_all_heads_schedule_gives_the_per_head_bits(k, S, T, H, G, P, N):
+    """Under the interpreter per-token states (and decode) take `heads`, every head in one program: y, the new state
+    and every token's state bit for bit as `steps`, a program per head (H and P not powers of 2: masked heads and
+    rows; strided views; a state tensor with strides of its own)."""
+    args = list(to_dev(scan_inputs(S, T, H, G, P, N, seed=S + T)))
+    args[0] = args[0].transpose(2, 3).contiguous().transpose(2, 3)
+    assert k.scan_plan(S, T, H, P, N, states_out=True) == {"schedule": "heads"}
+    got = []
+    for plan in ({"schedule": "steps"}, {"schedule": "heads"}):
+        st = torch.full((S, T, H, P, N), float("nan"))
+        y, h = k.ssd_scan(*args, states_out=st, plan=plan)
+        y1, h1 = k.ssd_scan(*args, plan=plan)
+        got.append((y, h, st, y1, h1))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("plan", [{"schedule": "row"}, {"schedule": "rows"}])
 @pytest.mark.parametrize("G", [1, 4])
-def test_gated_norm_matches_float64_on_strided_z(k, G):
+def test_gated_norm_matches_float64_on_strided_z(k, G, plan):
     g = torch.Generator().manual_seed(G)
     S, T, Dn = 3, 5, 24
     x = torch.randn(S, T, Dn, generator=g, dtype=torch.float64)
@@ -114,8 +135,23 @@ def test_gated_norm_matches_float64_on_strided_z(k, G):
     w = torch.randn(Dn, generator=g, dtype=torch.float64)
     y0 = ops.rms_norm_gated(x, z, w, 1e-5, G)
     z32 = zx.to(TORCH_DEVICE, torch.float32)[..., :Dn]
-    y = k.rms_norm_gated(x.to(TORCH_DEVICE, torch.float32), z32, w.to(TORCH_DEVICE, torch.float32), 1e-5, G)
+    y = k.rms_norm_gated(x.to(TORCH_DEVICE, torch.float32), z32, w.to(TORCH_DEVICE, torch.float32), 1e-5, G,
+                         plan=plan)
     assert rel(y, y0) <= REL
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="bits of the interpreter's schedules: checked by the CPU run")
+@pytest.mark.parametrize("S,T,Dn,G", [(3, 5, 24, 4), (1, 27, 256, 2), (2, 7, 48, 3), (2, 300, 96, 3)])
+def test_the_interpreters_many_rows_norm_gives_the_per_row_bits(k, S, T, Dn, G):
+    """`rows` (interpreted: many tokens and every group in one program; G and the rows not powers of 2, and more
+    rows than one program takes) against `row`, a program per token and group: bit for bit."""
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(S, T, Dn, generator=g)
+    z = torch.randn(S, T, 2 * Dn + 5, generator=g)[..., :Dn]
+    w = torch.randn(Dn, generator=g)
+    rows = k.rms_norm_gated(x, z, w, 1e-5, G, plan={"schedule": "rows"})
+    assert torch.equal(rows, k.rms_norm_gated(x, z, w, 1e-5, G, plan={"schedule": "row"}))
+    assert torch.equal(rows, k.rms_norm_gated(x, z, w, 1e-5, G))
 
 
 def test_default_plugin_offers_the_mamba2_ops():
