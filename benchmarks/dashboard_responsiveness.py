@@ -16,9 +16,11 @@ Measures, in milliseconds (the dashboard's own `timings`, plus wall time around 
 Redraw = matplotlib renders each view to PNG, as in a notebook; the browser's own repaint (< 50 ms) is not in it.
 Each view reaches the page when it is drawn (status line and text views first, then the figures top to bottom):
 `first_view` is when the first picture of the new setting was on the page, `total` when the last one was.
-Writes benchmarks/results/dashboard_cpu.json and prints a table.
+Writes benchmarks/results/dashboard_cpu.json and prints a table: the shipped tiny Mamba-1 (the headline entries),
+then under "models" the first results of the shipped tiny Mamba-2 and hybrid (`--also`; their cached and token-step
+figures are the same views' and are not repeated).
 
-    python3 benchmarks/dashboard_responsiveness.py [--rounds 3] [--repeats 5] [--n-gen 4]
+    python3 benchmarks/dashboard_responsiveness.py [--rounds 3] [--repeats 5] [--n-gen 4] [--also NAME,...]
 """
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="repeats of each cached measurement")
     ap.add_argument("--n-gen", type=int, default=4)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "dashboard_cpu.json"))
+    ap.add_argument("--model", default=None, help="model folder (default: the shipped tiny Mamba-1)")
+    ap.add_argument("--also", default="tiny-mamba2,tiny-granite-hybrid",
+                    help="shipped models (data/NAME) whose first results are measured too, in their own rounds")
     ap.add_argument("--rounds", type=int, default=3,
                     help="fresh processes, each a whole run; the file keeps each entry's median and every round's "
                          "total (a never-run setting can be timed once per dashboard, and this VM drifts by 20%%)")
@@ -75,7 +80,7 @@ def main() -> int:
     from mamba_debug.triton_launch import launch_paths
     from mamba_debug.views import textcache
 
-    model = md.load_model()
+    model = md.load_model(args.model)
     L = model.config.n_layer
     P = len(model.encode(PROMPT))
     load_before = os.getloadavg()
@@ -89,7 +94,8 @@ def main() -> int:
     new_runs[f"offload {L} (all, head on host), ubatch P"] = _timed(dash, offload=L)
     new_runs["offload 6, ubatch P"] = _timed(dash, offload=6)
     new_runs["offload 2, ubatch 8"] = _timed(dash, offload=2, ubatch=8)
-    new_runs["offload 2, ubatch 8, kernels bug_strided_gate"] = _timed(dash, kernels="bug_strided_gate")
+    bug = "bug_strided_gate" if model.config.layer_types[0] == "mamba1" else "bug_m2_norm_before_gate"
+    new_runs[f"offload 2, ubatch 8, kernels {bug}"] = _timed(dash, kernels=bug)
     if "engine" in dash.controls.value_widgets() and importlib.util.find_spec("llama_cpp") is not None:
         new_runs["offload 2, ubatch 8, engine llama.cpp (CPU)"] = _timed(dash, engine="llama.cpp")
         dash.set(engine="torch")
@@ -164,14 +170,22 @@ def _rounds(args) -> int:
     """Run the whole measurement in `args.rounds` fresh processes; write their medians (and each round's totals)."""
     import subprocess  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            part = Path(tmp) / f"round{i}.json"
-            subprocess.run([sys.executable, __file__, "--rounds", "1", "--repeats", str(args.repeats),
-                            "--n-gen", str(args.n_gen), "--out", str(part)], check=True)
-            runs.append(json.loads(part.read_text()))
-    merged = merge(runs)
+    def rounds(model):
+        runs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(args.rounds):
+                part = Path(tmp) / f"round{i}.json"
+                subprocess.run([sys.executable, __file__, "--rounds", "1", "--repeats", str(args.repeats),
+                                "--n-gen", str(args.n_gen), "--out", str(part)]
+                               + (["--model", model] if model else []), check=True)
+                runs.append(json.loads(part.read_text()))
+        return merge(runs)
+
+    merged = rounds(args.model)
+    merged["models"] = {}
+    for name in filter(None, args.also.split(",")):
+        other = rounds(str(REPO / "data" / name))
+        merged["models"][name] = {"model": other["model"], "first_result_ms": other["first_result_ms"]}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(merged, indent=1) + "\n")
@@ -181,6 +195,10 @@ def _rounds(args) -> int:
               f"{r['first_view']:.0f} {r['first_view_rounds']}")
     for key in ("cached_config_views_drawn_ms", "token_step_ms"):
         print(f"{key:70s} {merged[key]['median']:8.0f}   rounds {merged[key]['rounds']}")
+    for name, other in merged["models"].items():
+        for what, r in other["first_result_ms"].items():
+            print(f"{name + ': ' + what:70s} {r['total']:8.0f}   rounds {r['rounds']}   first view "
+                  f"{r['first_view']:.0f} {r['first_view_rounds']}")
     print(f"wrote {out}")
     return 0
 

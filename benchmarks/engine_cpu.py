@@ -1,6 +1,7 @@
 """Engine speed on a CPU (issue: divergence engine, "Speed"): one compare of the shipped tiny model over a
-64-token prompt plus 16 generated tokens with the Triton kernels under the interpreter, and a full
-offload 0..n_layer+1 x 4-ubatch sweep. Prints a table and writes benchmarks/results/engine_cpu.json.
+64-token prompt plus 16 generated tokens with the Triton kernels under the interpreter (and with a bug variant),
+the same compare of the shipped tiny Mamba-2 and hybrid models, and a full offload 0..n_layer+1 x 4-ubatch sweep
+of the tiny Mamba-1. Prints a table and writes benchmarks/results/engine_cpu.json.
 
 Run: python benchmarks/engine_cpu.py     (goals, issue #18: compare <= 3 s, sweep <= 60 s on 2 cores)
 """
@@ -25,23 +26,32 @@ from mamba_debug.sweep import run_sweep  # noqa: E402
 VAL_TEXT = Path(__file__).resolve().parent.parent / "data" / "tiny-mamba" / "val.txt"   # held-out Austen
 
 
+OTHER_MODELS = ("tiny-mamba2", "tiny-granite-hybrid")      # shipped beside the tiny Mamba-1: one compare each
+
+
+def _compare_row(model, name, kernels):
+    ids = model.encode(VAL_TEXT.read_text()[:2000])[:64]
+    assert len(ids) == 64, len(ids)
+    s = CompareSettings(kernels=kernels, device="interpret", ubatch=512, n_gen=16)
+    run_compare(model, ids[:8], CompareSettings(kernels=kernels, device="interpret", n_gen=1))   # warm-up
+    t = time.perf_counter()
+    res = run_compare(model, ids, s)
+    return {"what": f"compare 64+16, kernels {kernels}, offload all, ubatch 512", "model": name,
+            "seconds": time.perf_counter() - t, "diverged": res.first_divergence is not None, "goal_s": 3}
+
+
 def main():
     model = md.load_model()
     ids = model.encode(VAL_TEXT.read_text()[:2000])[:64]
-    assert len(ids) == 64, len(ids)
-    rows = []
-    for kernels in ("triton", "bug_strided_gate"):
-        s = CompareSettings(kernels=kernels, device="interpret", ubatch=512, n_gen=16)
-        run_compare(model, ids[:8], CompareSettings(kernels=kernels, device="interpret", n_gen=1))   # warm-up
-        t = time.perf_counter()
-        res = run_compare(model, ids, s)
-        rows.append({"what": f"compare 64+16, kernels {kernels}, offload all, ubatch 512", "seconds":
-                     time.perf_counter() - t, "diverged": res.first_divergence is not None, "goal_s": 3})
+    rows = [_compare_row(model, "tiny-mamba", kernels) for kernels in ("triton", "bug_strided_gate")]
+    for name in OTHER_MODELS:
+        rows.append(_compare_row(md.load_model(str(ROOT / "data" / name)), name, "triton"))
     t = time.perf_counter()
     sw = run_sweep(model, ids, CompareSettings(kernels="triton", device="interpret", n_gen=16),
                    ubatches=(1, 8, 32, 512), progress=False, workers=os.cpu_count() or 1)
     rows.append({"what": f"sweep offload 0..{model.config.n_layer + 1} x ubatch 1,8,32,512 ({len(sw['cells'])} runs), "
-                         f"64+16 tokens, triton, {sw['workers']} processes", "seconds": time.perf_counter() - t,
+                         f"64+16 tokens, triton, {sw['workers']} processes", "model": "tiny-mamba",
+                 "seconds": time.perf_counter() - t,
                  "diverged": any(c["first_divergence"] for c in sw["cells"]), "goal_s": 60})
     from mamba_debug.plugins import load_plugin  # noqa: PLC0415
     from mamba_debug.triton_launch import launch_paths  # noqa: PLC0415
@@ -50,9 +60,9 @@ def main():
            f"{os.cpu_count()} cores, torch {torch.__version__}", "kernel_launches": paths, "model": repr(model),
            "rows": rows}
     Path(__file__).parent.joinpath("results", "engine_cpu.json").write_text(json.dumps(out, indent=1))
-    print(f"{'what':100s} {'s':>7s} {'goal':>5s} diverged")
+    print(f"{'model':20s} {'what':100s} {'s':>7s} {'goal':>5s} diverged")
     for r in rows:
-        print(f"{r['what']:100s} {r['seconds']:7.2f} {r['goal_s']:5d} {r['diverged']}")
+        print(f"{r['model']:20s} {r['what']:100s} {r['seconds']:7.2f} {r['goal_s']:5d} {r['diverged']}")
 
 
 if __name__ == "__main__":
