@@ -308,7 +308,10 @@ def launch_paths(module) -> dict:
     lean = "interpreted (lean, replayed)" if triton_replay.enabled() else "interpreted (lean)"
     return {name: ("compiled (kept launchers)" if not obj.interpret else
                    lean if obj.interpreted is not None else "interpreted (Triton's GridExecutor)")
-            for name, obj in vars(module).items() if isinstance(obj, Launch)}
+            for name, obj in list(vars(module).items()) if isinstance(obj, Launch)}
+
+
+_NOT_YET = object()      # Launch.interpreted before its first use
 
 
 class Launch:
@@ -319,11 +322,19 @@ class Launch:
     def __init__(self, kernel, interpret: bool):
         self.kernel, self.interpret = kernel, interpret
         self.kept: dict = {}
-        self.interpreted = Interpreted.make(kernel) if interpret else None
+        self._interpreted = _NOT_YET if interpret else None
         if not interpret:
             from triton import knobs
             from triton.runtime.driver import driver
             self.runtime, self.drivers = knobs.runtime, driver    # the active driver is found at the first launch
+
+    @property
+    def interpreted(self) -> "Interpreted | None":
+        """The interpreted launcher, made at first use: each costs ~20 ms (Triton rewrites the kernel's source), and
+        a run launches a few of a plug-in's kernels (a Mamba-1 model none of Mamba-2's)."""
+        if self._interpreted is _NOT_YET:
+            self._interpreted = Interpreted.make(self.kernel)
+        return self._interpreted
 
     def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, meta: dict):
         if self.interpret:
