@@ -116,11 +116,18 @@ def test_norm_eps_out_of_range_is_refused_naming_the_key(folder, eps):
         load_model(folder)
 
 
-def test_reference_that_becomes_nan_is_reported_with_layer_and_site():
+@pytest.mark.parametrize("how", ["compare", "sweep"])
+def test_reference_that_becomes_nan_is_reported_with_layer_and_site(how):
+    """Also in a sweep, whose cells share the reference's steps (checked once, by the run that makes them)."""
+    from mamba_debug.sweep import run_sweep
     m = random_model(n_layer=2)
     m.params["layers.0.norm"].fill_(3e38)     # finite in float32, but in_proj's sums overflow float32
+    s = RunSettings(n_gen=0, device="cpu", kernels="torch")
     with pytest.raises(NonFiniteReference, match="ref32.*layer 0, site norm"):
-        run_compare(m, [1, 2, 3], RunSettings(n_gen=0, device="cpu", kernels="torch"))
+        if how == "compare":
+            run_compare(m, [1, 2, 3], s)
+        else:
+            run_sweep(m, [1, 2, 3], s, offloads=[0, 2], ubatches=[1, 3], progress=False, workers=1)
 
 
 @pytest.mark.parametrize("k", [float("nan"), float("inf"), 1.0, -3])

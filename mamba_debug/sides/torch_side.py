@@ -157,6 +157,7 @@ class TorchSide:
         self.info, self.model, self.runner = info, model, runner
         self.prefix_from, self.report_prefix, self.local_of = prefix_from, report_prefix, local_of
         self.shared, self.keep_states_before = shared, keep_states_before
+        self.from_shared = False     # the last step's output came from the shared reference (already checked)
         self.capture = _Local(to_host, self) if local_of is not None else Capture(to_host)
         runner.observer = self.capture
         placement = runner.placement
@@ -182,6 +183,7 @@ class TorchSide:
     def step(self, tokens: torch.Tensor) -> StepOutput:
         self.u += 1
         cached = self.shared.cached(self.info.name, self.u) if self.shared is not None else None
+        self.from_shared = cached is not None
         if cached is not None:
             self.last = cached
             return cached
