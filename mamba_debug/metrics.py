@@ -76,8 +76,8 @@ def _site_errors_torch(dev: torch.Tensor, ref: torch.Tensor, masks: bool = False
 
     The NaN/inf rules (a non-finite device value against a finite reference: inf, cosine NaN) need three masks over
     every element, half of the passes. They change nothing when every value is finite, which the squared sums tell
-    for free: a row's sum of squares is finite only if each of its values is (a finite value whose square overflows
-    sends the row down the masked path too). Finite values of finite squares cannot overflow their difference, so
+    for free: a sum of squares is finite only if each of its values is (a finite value whose square overflows sends
+    the pair down the masked path too). Finite values of finite squares cannot overflow their difference, so
     without the masks each metric is the same op on the same numbers: the same bits (masks=True: always masked, for
     the test that holds both paths to one answer)."""
     a = dev.detach().to(ref.device, torch.float64).reshape(dev.shape[0], dev.shape[1], -1)
