@@ -144,11 +144,11 @@ def _gated_norm_kernel(
     tl.store(y_ptr + s * y_s + t * y_t + offs * y_d, v * inv * wv, mask=m)
 
 
-# The interpreter's schedules (scan_plan and rms_norm_gated pick them under TRITON_INTERPRET only): there every tl operation
-# costs 20-200 us of Python whatever its tile, so one program takes every head, or every row, at once. Each element is
-# the same fp32 arithmetic in the same order as in the kernels above and each sum runs over the same contiguous last
-# axis, so they give the same bits on the CPU (tests/test_triton_mamba2.py). They compile for a GPU too; no GPU plan
-# uses them.
+# The interpreter's schedules (scan_plan and rms_norm_gated pick them under TRITON_INTERPRET only): there every tl
+# operation costs 20-200 us of Python whatever its tile, so one program takes every head, or every row, at once. Each
+# element is the same fp32 arithmetic in the same order as in the kernels above and each sum runs over the same
+# contiguous last axis, so they give the same bits on the CPU (tests/test_triton_mamba2.py). They compile for a GPU
+# too; no GPU plan uses them.
 @triton.jit
 def _ssd_steps_heads_kernel(
     s0_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, y_ptr, s1_ptr, so_ptr,

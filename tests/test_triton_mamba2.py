@@ -64,7 +64,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("S,T,H,G,P,N,plan", CASES, ids=[f"S{c[0]}-T{c[1]}-H{c[2]}-G{c[3]}-{(c[6] or {}).get('chunk_size', (c[6] or {}).get('schedule', 'plan'))}" for c in CASES])
+def _case_id(c):
+    plan = c[6] or {}
+    return f"S{c[0]}-T{c[1]}-H{c[2]}-G{c[3]}-{plan.get('chunk_size', plan.get('schedule', 'plan'))}"
+
+
+@pytest.mark.parametrize("S,T,H,G,P,N,plan", CASES, ids=[_case_id(c) for c in CASES])
 def test_ssd_scan_matches_float64(k, S, T, H, G, P, N, plan):
     args = scan_inputs(S, T, H, G, P, N)
     y0, h0 = ops.ssd_scan(*args)
@@ -106,7 +111,8 @@ def test_ssd_scan_softplus_threshold_and_large_decay(k):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="bits of the interpreter's schedules: checked by the CPU run")
-@pytest.mark.parametrize("S,T,H,G,P,N", [(2, 10, 6, 2, 4, 4), (1, 27, 8, 2, 32, 32), (3, 1, 5, 5, 8, 7), (2, 4, 3, 1, 5, 3)])
+@pytest.mark.parametrize("S,T,H,G,P,N", [(2, 10, 6, 2, 4, 4), (1, 27, 8, 2, 32, 32), (3, 1, 5, 5, 8, 7),
+                                         (2, 4, 3, 1, 5, 3)])
 def test_the_interpreters_all_heads_schedule_gives_the_per_head_bits(k, S, T, H, G, P, N):
     """Under the interpreter per-token states (and decode) take `heads`, every head in one program: y, the new state
     and every token's state bit for bit as `steps`, a program per head (H and P not powers of 2: masked heads and
