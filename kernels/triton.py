@@ -446,7 +446,7 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
     Chunked plans may also set DELTA (pass 1 hands each token's softplus to pass 2: 22% fewer instructions in pass 2's
     loop, pass 1 runs one chunk more and writes 4 bytes a channel and token), REVERSE (pass 2's longest carries are
     started first), CARRY2 (two chunks' summaries loaded at once) and BLOCK_D_PASS1 (pass 1's channel block); none
-    changes a bit. Off until an H200 run shows they pay: research/scan_rows/README.md."""
+    changes a bit. Off: timed on an H100 on 2026-12-05, none is faster than the plain plans (research/scan_rows)."""
     n_chunks = plan["n_chunks"]
     chunk_t = _cdiv(T, n_chunks)
     n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end

@@ -37,9 +37,10 @@ class Capture:
     metrics is ever asked of it. A layer's sites are measured together when the next layer starts (on a GPU one or
     two launches of the fused kernel, each site read where it lies: `metrics.site_errors_many`).
 
-    `beside` (`MAMBA_DEBUG_SIDE_STREAM=1`; off until an H200 run shows it pays, benchmarks/gpu_tracing.py times
-    both): on a GPU, a layer's sites are measured on a side stream beside the next layer's kernels (`_beside`), the
-    same bits.
+    `beside` (`MAMBA_DEBUG_SIDE_STREAM=1`, off): on a GPU, a layer's sites are measured on a side stream beside the
+    next layer's kernels (`_beside`), the same bits. Timed on an H100 on 2026-12-05 (benchmarks/gpu_tracing.py, two
+    calls): no better than the run's own stream (1.35-1.41x against 1.17-1.31x; at CUDA priority -1 1.20-1.41x): the
+    run is host-bound there and the side stream adds host work.
     """
 
     beside = os.environ.get("MAMBA_DEBUG_SIDE_STREAM", "0") == "1"    # measure on a side stream (`_beside`)
