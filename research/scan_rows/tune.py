@@ -1,10 +1,11 @@
 """H200: kernels/triton.py's ssm_scan under forced plans (block, warps, chunks, slots, tiles) and its default plan;
 each checked against float64. Prints a table last; writes tune.json to $OUT.
 
-    TRITON_INTERPRET=0 python3 research/scan_rows/tune.py [b1] [b8] [other]   # some shape groups (default: all)
+    TRITON_INTERPRET=0 python3 research/scan_rows/tune.py [b1] [b8] [other] [waves]   # groups (default: all)
 
 The groups split the run across device calls (600 s each) if the whole one does not fit: b1 the d_inner-5120, L-2048
-batch-1 and batch-2 prompts, b8 batch 8, other the rest."""
+batch-1 and batch-2 prompts, b8 batch 8, other the rest; waves: chunk counts around whole waves of the batch-1 and
+batch-2 prompts (16 one-warp programs an SM at 100-108 registers: 2112 on 132 SMs)."""
 import json
 import os
 import sys
@@ -31,9 +32,10 @@ def plan(bd, w, nc, slots=4, tiles=True, **opts):
     return dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, SLOTS=slots, TILES=tiles, num_warps=w, **opts)
 
 
-GROUPS = set(sys.argv[1:]) or {"b1", "b8", "other"}
-if GROUPS - {"b1", "b8", "other"}:
-    sys.exit(f"tune.py: unknown group(s) {sorted(GROUPS - {'b1', 'b8', 'other'})}; choose from b1, b8, other")
+KNOWN = {"b1", "b8", "other", "waves"}
+GROUPS = set(sys.argv[1:]) or KNOWN
+if GROUPS - KNOWN:
+    sys.exit(f"tune.py: unknown group(s) {sorted(GROUPS - KNOWN)}; choose from {', '.join(sorted(KNOWN))}")
 
 
 def group(S, L, D, states):
@@ -42,8 +44,8 @@ def group(S, L, D, states):
     return "b8" if (S, L, D) == (8, 2048, 5120) else "other"
 
 
-def run(S, L, D, plans, states=False):
-    if group(S, L, D, states) not in GROUPS:
+def run(S, L, D, plans, states=False, grp=None):
+    if (grp or group(S, L, D, states)) not in GROUPS:
         return
     h0, x, dt, A, B, C = scan_inputs(S, L, D)
     ref = ops.ssm_scan(*(t.double() for t in (h0, x, dt, A, B, C)))
@@ -85,6 +87,9 @@ run(1, 8192, 5120, [P(32, 1, 24, **ALL), P(32, 1, 24, **R_), P(64, 1, 19, **ALL)
 run(1, 512, 5120, [P(32, 1, 8, **ALL), P(64, 1, 8, **ALL)])
 run(1, 2048, 5120, [P(32, 1, 24, **ALL), P(64, 1, 19, **ALL)], states=True)
 run(1, 1, 5120, [P(64, 1, 1, 1, False)])
+# pass 2 runs 160 x chunks programs at batch 1: 13 chunks fill one wave of 2112, 26 two (24, the default, 1.82)
+run(1, 2048, 5120, [P(32, 1, c) for c in (12, 13, 22, 25, 26)] + [P(32, 1, 26, **C_)], grp="waves")
+run(2, 2048, 5120, [P(32, 1, c) for c in (6, 13)], grp="waves")
 run(64, 1, 5120, [P(32, 1, 1, 1, False), P(64, 2, 1, 1, False)])
 run(1, 64, 5120, [P(32, 1, 1, 4)])
 run(8, 100, 5120, [P(32, 1, 1, 4)])
