@@ -29,9 +29,15 @@ VAL_TEXT = Path(__file__).resolve().parent.parent / "data" / "tiny-mamba" / "val
 OTHER_MODELS = ("tiny-mamba2", "tiny-granite-hybrid")      # shipped beside the tiny Mamba-1: one compare each
 
 
-def _compare_row(model, name, kernels):
+def _prompt(model) -> list:
+    """The 64-token held-out prompt, in the model's own tokens."""
     ids = model.encode(VAL_TEXT.read_text()[:2000])[:64]
     assert len(ids) == 64, len(ids)
+    return ids
+
+
+def _compare_row(model, name, kernels):
+    ids = _prompt(model)
     s = CompareSettings(kernels=kernels, device="interpret", ubatch=512, n_gen=16)
     run_compare(model, ids[:8], CompareSettings(kernels=kernels, device="interpret", n_gen=1))   # warm-up
     t = time.perf_counter()
@@ -42,7 +48,7 @@ def _compare_row(model, name, kernels):
 
 def main():
     model = md.load_model()
-    ids = model.encode(VAL_TEXT.read_text()[:2000])[:64]
+    ids = _prompt(model)
     rows = [_compare_row(model, "tiny-mamba", kernels) for kernels in ("triton", "bug_strided_gate")]
     for name in OTHER_MODELS:
         rows.append(_compare_row(md.load_model(str(ROOT / "data" / name)), name, "triton"))
