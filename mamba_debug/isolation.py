@@ -28,15 +28,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def snapshot_inputs(args: tuple, kwargs: dict) -> list:
-    """(name, the tensor, a copy of it) for every tensor argument."""
+    """(name, the tensor, its bits, a copy of its bits) for every tensor argument. The bits view is kept for the
+    comparison: on a host-bound GPU run every dispatcher call per input and op call counts."""
     named = [(f"argument {i}", a) for i, a in enumerate(args)]
     named += [(k, v) for k, v in kwargs.items() if k not in NOT_CHECKED]
-    return [(name, t, t.detach().clone()) for name, t in named if isinstance(t, torch.Tensor)]
+    return [(name, t, bits, bits.clone()) for name, t in named if isinstance(t, torch.Tensor)
+            for bits in (_bits(t.detach() if t.requires_grad else t),)]
 
 
 def changed_inputs(snapshot: list, args: tuple = (), kwargs: dict | None = None) -> list:
-    """Names of the inputs whose bits differ from their snapshot."""
-    return [name for name, t, copy in snapshot if t.shape != copy.shape or not torch.equal(_bits(t), _bits(copy))]
+    """Names of the inputs whose bits differ from their snapshot (or whose shape changed: resized in place)."""
+    return [name for name, t, bits, copy in snapshot if t.shape != copy.shape or not torch.equal(bits, copy)]
 
 
 # inside deferred(), per thread: (message, [(input name, device flag)]) per checked GPU call
@@ -50,8 +52,8 @@ def defer(snapshot: list, message) -> bool:
     pending = getattr(_LOCAL, "pending", None)
     if pending is None or not snapshot or not (snapshot[0][1].is_cuda or DEFER_ON_CPU):
         return False
-    flags = [(name, torch.tensor(True, device=t.device) if t.shape != copy.shape
-              else torch.ne(_bits(t), _bits(copy)).any()) for name, t, copy in snapshot]
+    flags = [(name, torch.tensor(True, device=t.device) if t.shape != copy.shape else torch.ne(bits, copy).any())
+             for name, t, bits, copy in snapshot]
     pending.append((message, flags))
     return True
 
@@ -80,7 +82,10 @@ def _settle(pending: list, cause=None):
     flat = [f for _, flags in pending for _, f in flags]
     if not flat:
         return
-    found = torch.stack([f.to(flat[0].device) for f in flat]).cpu().tolist()
+    try:                   # one device (no call per flag): one stack, one wait
+        found = torch.stack(flat).cpu().tolist()
+    except RuntimeError:   # flags on several devices (a placement over GPUs)
+        found = torch.stack([f.to(flat[0].device) for f in flat]).cpu().tolist()
     i = 0
     for message, flags in pending:
         names = [name for (name, _), hit in zip(flags, found[i:i + len(flags)]) if hit]

@@ -376,6 +376,44 @@ def test_sites_measured_at_birth_give_the_accumulators_result(model, plugin, mon
     assert not in_blocks_too or any(joined), "no site's metrics joined from their blocks"
 
 
+def test_sites_measured_at_birth_wait_in_whole_layers_up_to_the_held_cap(model, plugin, monkeypatch):
+    """The device's sites measured at birth wait, whole layers at a time, until the layers waiting hold `held_cap`
+    bytes (fewer launches on a host-bound GPU run): each measurement holds whole layers, starts a new one only past
+    the cap, and the results are those of a layer at a time (held_cap 0) bit for bit."""
+    from mamba_debug import compare, metrics
+    from mamba_debug.sides import torch_side
+    monkeypatch.setattr(compare, "AT_BIRTH_ON_CPU", True)
+    calls = []
+
+    def recorded(pairs):
+        calls.append([d.numel() * d.element_size() for d, _ in pairs])
+        return metrics.site_errors_many(pairs)
+    monkeypatch.setattr(torch_side, "site_errors_many", recorded)
+    kw = dict(offload=model.config.n_layer, kernels=plugin(STRIDED_SILU), capture="metrics", n_seqs=2, ubatch=6,
+              n_gen=2)
+    results, per_call = {}, {}
+    layer_bytes = None
+    for cap in (0, "two layers", 1 << 30):
+        if cap == "two layers":     # the bytes of a layer's device sites, found in the run a layer at a time
+            cap = 2 * layer_bytes - 1
+        monkeypatch.setattr(torch_side.Capture, "held_cap", cap)
+        calls.clear()
+        results[cap] = _run(model, **kw)
+        per_call[cap] = [sum(c) for c in calls]
+        if layer_bytes is None:
+            layer_bytes = max(per_call[cap])
+    caps = list(results)
+    assert len(per_call[caps[0]]) > len(per_call[caps[1]]) > len(per_call[caps[2]]), per_call
+    assert max(per_call[caps[1]]) >= 2 * layer_bytes - 1 and max(per_call[caps[1]]) < 3 * layer_bytes, per_call
+    base = results[0]
+    for res in results.values():
+        assert res.first_divergence == base.first_divergence and base.first_divergence is not None
+        assert res.errors.keys() == base.errors.keys()
+        for k in base.errors:
+            for m_ in base.errors[k]:
+                torch.testing.assert_close(res.errors[k][m_], base.errors[k][m_], rtol=0, atol=0, equal_nan=True)
+
+
 def test_capture_copies_values_and_keeps_them_where_asked():
     from mamba_debug.sides import Capture
     x = torch.arange(6.0).reshape(1, 2, 3)

@@ -34,8 +34,13 @@ class Capture:
 
     `against` (set by compare for one ubatch, capture='metrics'): the reference's site values of this ubatch. A site
     found there is measured where it is born and kept as its `Measured` errors, never copied: nothing but its
-    metrics is ever asked of it. A layer's sites are measured together when the next layer starts (on a GPU one or
-    two launches of the fused kernel, each site read where it lies: `metrics.site_errors_many`).
+    metrics is ever asked of it. Sites are measured together, whole layers at a time, once the layers waiting hold
+    `held_cap` bytes of device sites (and at the ubatch's end): on a GPU one launch of the fused kernel per group of
+    16 like sites and one combine launch per call, each site read where it lies (`metrics.site_errors_many`). A
+    launch costs the host 20-30 us on the H200's machine, and a traced run there is bound by its host: a 2.8B
+    layer's 15 sites took three launches when every layer was measured on its own, and take about 1.1 a layer with
+    four layers a call. The layers waiting cost their sites' memory for a while (~0.3 GB a 2.8B layer at ubatch 512;
+    `budget` counts every device site of a ubatch anyway).
 
     `beside` (`MAMBA_DEBUG_SIDE_STREAM=1`, off): on a GPU, a layer's sites are measured on a side stream beside the
     next layer's kernels (`_beside`), the same bits. Timed on an H100 on 2026-12-05 (benchmarks/gpu_tracing.py, two
@@ -45,23 +50,27 @@ class Capture:
 
     beside = os.environ.get("MAMBA_DEBUG_SIDE_STREAM", "0") == "1"    # measure on a side stream (`_beside`)
     side_priority = 0  # the side stream's CUDA priority: 0 the default streams' (lowest), -1 ahead of the run's
+    held_cap = 1 << 30  # bytes of device sites waiting to be measured before the next layer's start measures them
 
     def __init__(self, to_host: bool = True):
         self.to_host = to_host
         self.values: dict = {}
         self.pending = False       # non-blocking copies issued since the last take()
         self.against: Optional[dict] = None
-        self.born: list = []       # this layer's sites to measure: (key, per_token, (dev, ref), at_end)
+        self.born: list = []       # sites waiting to be measured: (key, per_token, (dev, ref), at_end)
+        self.held = 0              # their device values' bytes
         self.joining = None        # the side stream with this ubatch's measurements in flight
 
     def site(self, layer, site, value, per_token):
-        value = value.detach()
+        if value.requires_grad:    # (a plain view otherwise: a dispatcher call per site on a host-bound run)
+            value = value.detach()
         ref = self.against.get((layer, site)) if self.against is not None else None
         born = birth_pair(value, per_token, *ref) if ref is not None else None
         if born is not None:
-            if self.born and self.born[-1][0][0] != layer:
+            if self.held >= self.held_cap and self.born and self.born[-1][0][0] != layer:
                 self._measure_born()
             self.born.append(((layer, site), per_token, *born))
+            self.held += value.nbytes
             return
         if self.to_host and value.is_cuda:
             copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
@@ -74,7 +83,7 @@ class Capture:
         self.values[(layer, site)] = (copy, per_token)
 
     def _measure_born(self):
-        born, self.born = self.born, []
+        born, self.born, self.held = self.born, [], 0
         if not born:
             return
         pairs = [pair for _, _, pair, _ in born]
