@@ -65,26 +65,43 @@ def metrics_on_device(values: dict):
 
 class AtBirth(_Capture):
     """What capture='metrics' does on the device side now (compare._measures_at_birth), through the engine's own
-    Capture: each site measured where it is born, a layer's sites together (`site_errors_many`: on a GPU one or two
-    launches of the fused kernel reading each site in place), nothing copied, the metrics kept on the device. No
-    reference side here, so each site is measured against itself."""
+    Capture: each site measured where it is born, whole layers' sites together once `held_cap` bytes wait
+    (`site_errors_many`: on a GPU a launch of the fused kernel per 16 like sites, each read in place, and one combine
+    launch), nothing copied, the metrics kept on the device. No reference side here, so each site is measured
+    against itself. It is the runner's observer itself, as the engine's Capture is: no `Tap` in between, whose
+    Python call and byte count per site the engine does not make (3840 sites a prefill, on a run bound by its host)."""
 
     def __init__(self):
         super().__init__(to_host=False)
         self.kept = []             # each ubatch's Measured sites (the keep protocol)
         self.host_s = 0.0          # host time in the layer measurements (grouping, tables, launches, result views)
+        self.bytes, self.inner = 0, self      # what the levels' loop reads of a Tap
+        self.current = None
+        self.against = _Itself(self)
 
     def site(self, layer, site, value, per_token):
-        self.against = {(layer, site): (value, per_token)}
+        self.current = (value, per_token)
         super().site(layer, site, value, per_token)
 
     def _measure_born(self):
+        self.bytes += sum(pair[0].nbytes for _, _, pair, _ in self.born)   # the device values measured
         t0 = time.perf_counter()
         super()._measure_born()
         self.host_s += time.perf_counter() - t0
 
     def take(self):
         self.kept.append(super().take())
+        self.against = _Itself(self)       # Capture.take drops its ubatch's reference values
+
+
+class _Itself:
+    """An AtBirth capture's reference values: each site's own (no reference side here)."""
+
+    def __init__(self, capture):
+        self.capture = capture
+
+    def get(self, key):
+        return self.capture.current
 
 
 class AtBirthOther(AtBirth):
@@ -96,6 +113,12 @@ class AtBirthOther(AtBirth):
 class AtBirthBesideFirst(AtBirth):
     """AtBirth on a side stream ahead of the run's in the block scheduler (CUDA priority -1)."""
     beside, side_priority = True, -1
+
+
+def waiting(capture) -> str:
+    """Which sites a measurement takes (an engine before 2026-12-05 measured each layer as the next one started)."""
+    cap = getattr(capture, "held_cap", None)
+    return f"whole layers' sites (up to {cap / 2**30:g} GiB waiting)" if cap else "a layer's sites"
 
 
 def tracing_levels(dev) -> list[dict]:
@@ -117,17 +140,18 @@ def tracing_levels(dev) -> list[dict]:
                           f"({'fused Triton kernel, like sites in one launch' if CUDA else 'torch version on the CPU'}), "
                           "then dropped",
          "tap": Tap(gpu), "after": lambda: metrics_on_device(gpu.take())},
-        {**level, "what": "capture='metrics' device half, measured at birth: a layer's sites by "
-                          f"{'the fused kernel, read in place' if CUDA else 'the torch version'} as the next layer "
-                          f"starts{', ' + where[born.beside] if CUDA else ''} (against themselves: no reference "
+        {**level, "what": "capture='metrics' device half, measured at birth: "
+                          f"{waiting(born)} by "
+                          f"{'the fused kernel, read in place' if CUDA else 'the torch version'}"
+                          f"{', ' + where[born.beside] if CUDA else ''} (against themselves: no reference "
                           "here), nothing copied, metrics kept on the device",
-         "tap": Tap(born), "after": born.take, "keep": born},
+         "tap": born, "after": born.take, "keep": born},
         {**level, "what": f"capture='metrics' device half, at birth {where[other.beside]} (the engine's other path, "
                           "MAMBA_DEBUG_SIDE_STREAM)", "cuda_only": True,
-         "tap": Tap(other), "after": other.take, "keep": other},
+         "tap": other, "after": other.take, "keep": other},
         {**level, "what": "capture='metrics' device half, at birth on a side stream ahead of the run's (CUDA "
                           "priority -1)", "cuda_only": True,
-         "tap": Tap(first), "after": first.take, "keep": first},
+         "tap": first, "after": first.take, "keep": first},
         {**level, "what": "keep resid, y_scan (every layer) and logits on the device for the whole prefill",
          "tap": Tap(keep, {"resid", "y_scan", "logits"}), "keep": keep},
         {**level, "what": f"per-token SSM states (states_out) to {host}", "tap": Tap(states, {"ssm_state"}),
