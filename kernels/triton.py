@@ -415,8 +415,6 @@ def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     tensors = (ssm_state, x, dt, A, B, C, y, new_state, so)
     meta = dict(HAS_STATES_OUT=states_out is not None, BLOCK_D=plan["BLOCK_D"], BLOCK_N=_pow2(N),
                 num_warps=plan["num_warps"])
-    if "maxnreg" in plan:       # research plans: a register cap, more warps in flight (compiled only; _scan_steps)
-        meta["maxnreg"] = int(plan["maxnreg"])
     if plan["schedule"] == "one_token":
         _launch_scan_one_token((S,), tensors, (
             S, D, N, *ssm_state.stride(), *_but_t(x), *_but_t(dt), *A.stride(), *_but_t(B), *_but_t(C),
@@ -448,9 +446,7 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
     Chunked plans may also set DELTA (pass 1 hands each token's softplus to pass 2: 22% fewer instructions in pass 2's
     loop, pass 1 runs one chunk more and writes 4 bytes a channel and token), REVERSE (pass 2's longest carries are
     started first), CARRY2 (two chunks' summaries loaded at once) and BLOCK_D_PASS1 (pass 1's channel block); none
-    changes a bit. Off: timed on an H100 on 2026-12-05, none is faster than the plain plans (research/scan_rows).
-    Research plans may cap the registers a thread (maxnreg, both passes; maxnreg_pass1, pass 1 only): the plain plans
-    take 100-108, four warps a scheduler; compiled for sm_90, pass 1 runs its loop without spills down to 72."""
+    changes a bit. Off: timed on an H100 on 2026-12-05, none is faster than the plain plans (research/scan_rows)."""
     n_chunks = plan["n_chunks"]
     chunk_t = _cdiv(T, n_chunks)
     n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
@@ -468,10 +464,7 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
                 CARRY2=bool(plan.get("CARRY2", False)))
     if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0 (DELTA: the last too, for its deltas)
         block_1 = int(plan.get("BLOCK_D_PASS1", plan["BLOCK_D"]))    # summaries and deltas are per channel
-        meta_1 = dict(meta, BLOCK_D=block_1)
-        if "maxnreg_pass1" in plan:
-            meta_1["maxnreg"] = int(plan["maxnreg_pass1"])
-        _launch_scan((S, _cdiv(D, block_1), n_chunks - (0 if delta else 1)), *args, meta_1)
+        _launch_scan((S, _cdiv(D, block_1), n_chunks - (0 if delta else 1)), *args, dict(meta, BLOCK_D=block_1))
     meta["SUMMARY"] = False
     _launch_scan((S, _cdiv(D, plan["BLOCK_D"]), n_chunks), *args, meta)
 

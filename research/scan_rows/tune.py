@@ -91,12 +91,6 @@ run(1, 1, 5120, [P(64, 1, 1, 1, False)])
 # pass 2 runs 160 x chunks programs at batch 1: 13 chunks fill one wave of 2112, 26 two (24, the default, 1.82)
 run(1, 2048, 5120, [P(32, 1, c) for c in (12, 13, 22, 25, 26)] + [P(32, 1, 26, **C_)], grp="waves")
 run(2, 2048, 5120, [P(32, 1, c) for c in (6, 13)], grp="waves")
-# Nsight Compute: 100-108 registers cap a scheduler at four warps; a register cap (maxnreg) puts more in flight.
-# Compiled for sm_90 (Triton 3.6): pass 1's loop has no spills at 80 or 72, pass 2's 9 and 13 loads a four-token
-# step at 80 and 72 (the one pass at batch 8: 9 and 16)
-run(1, 2048, 5120, [P(32, 1, 24, maxnreg_pass1=r) for r in (80, 72)] + [P(32, 1, 24, maxnreg=r) for r in (80, 72)]
-    + [P(32, 1, 36, maxnreg_pass1=72)], grp="waves")
-run(8, 2048, 5120, [P(32, 1, 1, maxnreg=r) for r in (80, 72)], grp="waves")
 run(64, 1, 5120, [P(32, 1, 1, 1, False), P(64, 2, 1, 1, False)])
 run(1, 64, 5120, [P(32, 1, 1, 4)])
 run(8, 100, 5120, [P(32, 1, 1, 4)])
