@@ -38,14 +38,15 @@ class Capture:
     `held_cap` bytes of device sites (and at the ubatch's end): on a GPU one launch of the fused kernel per group of
     16 like sites and one combine launch per call, each site read where it lies (`metrics.site_errors_many`). A
     launch costs the host 20-30 us on the H200's machine, and a traced run there is bound by its host: a 2.8B
-    layer's 15 sites took three launches when every layer was measured on its own, and take about 1.1 a layer with
+    layer's 15 sites took three launches when every layer was measured on its own, and take about 1.5 a layer with
     four layers a call. The layers waiting cost their sites' memory for a while (~0.3 GB a 2.8B layer at ubatch 512;
     `budget` counts every device site of a ubatch anyway).
 
-    `beside` (`MAMBA_DEBUG_SIDE_STREAM=1`, off): on a GPU, a layer's sites are measured on a side stream beside the
-    next layer's kernels (`_beside`), the same bits. Timed on an H100 on 2026-12-05 (benchmarks/gpu_tracing.py, two
-    calls): no better than the run's own stream (1.35-1.41x against 1.17-1.31x; at CUDA priority -1 1.20-1.41x): the
-    run is host-bound there and the side stream adds host work.
+    `beside` (`MAMBA_DEBUG_SIDE_STREAM=1`, off): on a GPU, the waiting layers' sites are measured on a side stream
+    beside the next layer's kernels (`_beside`), the same bits. Timed on an H100 on 2026-12-05
+    (benchmarks/gpu_tracing.py, two calls, a layer a measurement): no better than the run's own stream (1.35-1.41x
+    against 1.17-1.31x; at CUDA priority -1 1.20-1.41x): the run is host-bound there and the side stream adds host
+    work.
     """
 
     beside = os.environ.get("MAMBA_DEBUG_SIDE_STREAM", "0") == "1"    # measure on a side stream (`_beside`)
@@ -62,7 +63,7 @@ class Capture:
         self.joining = None        # the side stream with this ubatch's measurements in flight
 
     def site(self, layer, site, value, per_token):
-        if value.requires_grad:    # (a plain view otherwise: a dispatcher call per site on a host-bound run)
+        if value.requires_grad:    # detach() makes a new view: a dispatcher call per site, skipped when not needed
             value = value.detach()
         ref = self.against.get((layer, site)) if self.against is not None else None
         born = birth_pair(value, per_token, *ref) if ref is not None else None
@@ -106,8 +107,8 @@ class Capture:
 
 
 def _beside(pairs: list, capture: Capture) -> list:
-    """`site_errors_many` of a layer's CUDA pairs on a side stream, beside the next layer's kernels: the metrics
-    kernel is bound by memory bandwidth, the next layer's GEMMs by arithmetic and its scan by one dependent chain
+    """`site_errors_many` of the waiting layers' CUDA pairs on a side stream, beside the next layer's kernels: the
+    metrics kernel is bound by memory bandwidth, the next layer's GEMMs by arithmetic and its scan by one dependent chain
     per program, so on the run's own stream the metrics added their whole time to a traced run (~9.5% of a 2.8B
     prefill, issue #18 goal 1) and beside it they mostly hide. The side stream starts after everything the run
     queued so far (the layer's sites are final); each pair's memory is not reused before the side stream has read
