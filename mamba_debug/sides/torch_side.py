@@ -108,12 +108,13 @@ class Capture:
 
 def _beside(pairs: list, capture: Capture) -> list:
     """`site_errors_many` of the waiting layers' CUDA pairs on a side stream, beside the next layer's kernels: the
-    metrics kernel is bound by memory bandwidth, the next layer's GEMMs by arithmetic and its scan by one dependent chain
-    per program, so on the run's own stream the metrics added their whole time to a traced run (~9.5% of a 2.8B
-    prefill, issue #18 goal 1) and beside it they mostly hide. The side stream starts after everything the run
-    queued so far (the layer's sites are final); each pair's memory is not reused before the side stream has read
-    it (`record_stream`), the result blocks not before the run's stream is done with them; `take()` joins the side
-    stream to the run's before the ubatch's metrics are read or a state is written in place."""
+    metrics kernel is bound by memory bandwidth, the next layer's GEMMs by arithmetic and its scan by one dependent
+    chain per program, so on the run's own stream the metrics added their whole time to a traced run (~9.5% of a
+    2.8B prefill, issue #18 goal 1), and beside it they were meant to hide (measured: they do not, see Capture). The
+    side stream starts after everything the run queued so far (the sites are final); each pair's memory is not
+    reused before the side stream has read it (`record_stream`), the result blocks not before the run's stream is
+    done with them; `take()` joins the side stream to the run's before the ubatch's metrics are read or a state is
+    written in place."""
     device = pairs[0][1].device
     main, side = torch.cuda.current_stream(device), _side_stream(device, capture.side_priority)
     side.wait_stream(main)
