@@ -82,10 +82,10 @@ def _settle(pending: list, cause=None):
     flat = [f for _, flags in pending for _, f in flags]
     if not flat:
         return
-    try:                   # one device (no call per flag): one stack, one wait
-        found = torch.stack(flat).cpu().tolist()
-    except RuntimeError:   # flags on several devices (a placement over GPUs)
-        found = torch.stack([f.to(flat[0].device) for f in flat]).cpu().tolist()
+    device = flat[0].get_device()
+    if any(f.get_device() != device for f in flat):    # a placement over GPUs: the flags onto one device first
+        flat = [f.to(flat[0].device) for f in flat]
+    found = torch.stack(flat).cpu().tolist()           # one stack, one wait (no dispatcher call per flag)
     i = 0
     for message, flags in pending:
         names = [name for (name, _), hit in zip(flags, found[i:i + len(flags)]) if hit]
