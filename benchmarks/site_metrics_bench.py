@@ -206,19 +206,17 @@ def layer_pairs(T: int, seed: int, near: int | None = None) -> dict:
 
 def layer_rows(date, T, reps, flush) -> list[dict]:
     """A layer's 17 pairs through `site_errors_sites` (two launches of the sites kernel: 15 like pairs, and B, C;
-    one combine), GPU time only: the plan's cut against other steps x warps x steps loaded ahead (UNROLL) for the
-    rows the plan gives full steps (the cut before 2026-12-05 first: 512 over 4 warps, one step at a time); each
-    cut's values checked against the torch version."""
+    one combine), GPU time only: the plan's cut against other steps x warps for the rows the plan gives full steps
+    (512 elements); each cut's values checked against the torch version."""
     mod = _fused_module(interpret=False)
     a, b = layer_pairs(T, 2, near=1), layer_pairs(T, 1)
     pairs = [(a[k], b[k]) for k in a]
     nbytes = sum(x.numel() * x.element_size() * 2 for x, _ in pairs)
     plan, rows, full = mod.plan, [], mod.plan(T, 5120, 132)["BLOCK_X"]
-    for block_x, warps, unroll in ((512, 4, 1), (None, None, None), (512, 4, 2), (512, 8, 4), (256, 4, 2),
-                                   (128, 4, 4), (1024, 8, 1)):
+    for block_x, warps in (None, None), (1024, 8), (1024, 4), (512, 8):
         if block_x:
-            mod.plan = lambda R, X, sms=0, c=dict(BLOCK_X=block_x, num_warps=warps, UNROLL=unroll): (
-                lambda p: dict(p, **c) if p["BLOCK_X"] == full else p)(plan(R, X, sms))
+            mod.plan = lambda R, X, sms=0, bx=block_x, w=warps: (
+                lambda c: dict(c, BLOCK_X=bx, num_warps=w) if c["BLOCK_X"] == full else c)(plan(R, X, sms))
         try:
             mod._PLANS.clear()
             t = kernel_time(lambda: mod.site_errors_sites(pairs), reps, flush)
@@ -227,10 +225,10 @@ def layer_rows(date, T, reps, flush) -> list[dict]:
             mod.plan = plan
         ok = all(worst <= 1e-12 and same for worst, same in checks)
         worst = max(w for w, _ in checks)
-        what = "plan" if block_x is None else f"steps of {block_x} over {warps} warps, {unroll} loaded ahead"
+        what = "plan" if block_x is None else f"steps of {block_x} over {warps} warps"
         rows.append({"date": date, "part": "layer", "what": f"a 2.8B layer's 17 sites at birth, T={T}: {what}",
                      "bytes": nbytes, "fused_us": t * 1e6, "fused_gb_s": nbytes / t / 1e9, "ok": ok})
-        print(f"  layer, {what:44s} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.1f} GB/s  "
+        print(f"  layer, {what:28s} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.1f} GB/s  "
               f"{'ok' if ok else 'MISMATCH'} (worst {worst:.1e})", flush=True)
     mod._PLANS.clear()
     return rows

@@ -90,51 +90,16 @@ def _store_metrics(out_ptr, rows, ok, R, num, den, aa, ab, mx, a_bad, b_bad):
 
 
 @_device_function
-def _load_two(a_ptr, b_ptr, a_row, b_row, x, row_ok, X, end, a_X2, a_sx1, a_sx2, b_X2, b_sx1, b_sx2,
-              A_TWO: tl.constexpr, A_VEC: tl.constexpr, B_TWO: tl.constexpr, B_VEC: tl.constexpr,
-              BLOCK_X: tl.constexpr):
-    """Two steps' elements (x, then x + BLOCK_X) of both tensors' rows, masked past the row (X) and the piece (end)."""
-    x2 = x + BLOCK_X
-    m = row_ok[:, None] & ((x < X) & (x < end))[None, :]
-    m2 = row_ok[:, None] & ((x2 < X) & (x2 < end))[None, :]
-    return (tl.load(a_ptr + _offsets(a_row, x, a_X2, a_sx1, a_sx2, A_TWO, A_VEC), mask=m, other=0.0),
-            tl.load(b_ptr + _offsets(b_row, x, b_X2, b_sx1, b_sx2, B_TWO, B_VEC), mask=m, other=0.0),
-            tl.load(a_ptr + _offsets(a_row, x2, a_X2, a_sx1, a_sx2, A_TWO, A_VEC), mask=m2, other=0.0),
-            tl.load(b_ptr + _offsets(b_row, x2, b_X2, b_sx1, b_sx2, B_TWO, B_VEC), mask=m2, other=0.0))
-
-
-@_device_function
-def _add_step(a, b, num, den, aa, ab, mx, flags):
-    """One step's loaded elements added to each lane's sums (and flags)."""
-    a = a.to(tl.float64)                      # exact for every supported dtype; all arithmetic below in float64
-    b = b.to(tl.float64)
-    d = a - b
-    d_fin = tl.abs(d) < INF                   # isfinite: False for +-inf and NaN
-    d = tl.where(d_fin, d, 0.0)
-    num += d * d
-    den += b * b
-    aa += a * a
-    ab += a * b
-    mx = tl.maximum(mx, tl.abs(d))            # never NaN: non-finite differences are 0 here
-    flags = flags | tl.where(tl.abs(a) < INF, 0, 1) | tl.where(tl.abs(b) < INF, 0, 2)
-    return num, den, aa, ab, mx, flags
-
-
-@_device_function
 def _row_sums(a_ptr, b_ptr, f, rows, row_ok, step0, n_steps, A_TWO: tl.constexpr, A_VEC: tl.constexpr,
               B_TWO: tl.constexpr, B_VEC: tl.constexpr, X_VEC: tl.constexpr, ROWS: tl.constexpr,
-              BLOCK_X: tl.constexpr, UNROLL: tl.constexpr):
+              BLOCK_X: tl.constexpr):
     """num, den, aa, ab, mx, a_bad, b_bad of `rows` (row = s * T + t) of the site at table row f, over their steps
     [step0, step0 + n_steps) of BLOCK_X elements clipped to X, each [ROWS]: per-lane float64 sums (and non-finite
     flags, bit 0: a, bit 1: b) in a fixed order, then the lanes combined by tl.reduce's fixed tree (tl.sum(..,
     axis=1), see the module docstring). A step's offset is `(step0 + i) * BLOCK_X`, not a loop-carried pointer, and
     an aligned row's start and X (a multiple of X_VEC: _vec) are multiples by construction: the compiler then knows
     the alignment of the loads and the masks (nothing loaded from the table or carried by a while loop has any) and
-    loads 16 bytes at a time. Unproven alignment cost about 3/4 of the bandwidth (single 4-byte loads) on an H200.
-    UNROLL 2 or 4: that many steps' loads go out before any of their arithmetic, then the steps are added in order
-    (a step past the piece is masked: zeros, which add nothing): each lane's sums are the same, in the same order,
-    as one step at a time, with UNROLL times the bytes in flight a program. (Loads for the next iteration written
-    at the top of the loop do not do it: ptxas sinks them to the end of the body, right before their use.)"""
+    loads 16 bytes at a time. Unproven alignment cost about 3/4 of the bandwidth (single 4-byte loads) on an H200."""
     T, X = tl.load(f + 1), tl.load(f + 2) // X_VEC * X_VEC
     s = rows // T
     t = rows - s * T
@@ -149,31 +114,24 @@ def _row_sums(a_ptr, b_ptr, f, rows, row_ok, step0, n_steps, A_TWO: tl.constexpr
     ab = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
     mx = tl.full([ROWS, BLOCK_X], 0.0, tl.float64)
     flags = tl.full([ROWS, BLOCK_X], 0, tl.int32)
-    end = (step0 + n_steps) * BLOCK_X         # the piece's end: an unrolled step past it loads nothing
     i = 0
     while i < n_steps:
         x = (step0 + i) * BLOCK_X + cols
-        # each branch self-contained: Triton 3.9 does not carry a name from one constexpr `if` into the next
-        if UNROLL == 4:
-            a, b, a2, b2 = _load_two(a_ptr, b_ptr, a_row, b_row, x, row_ok, X, end, a_X2, a_sx1, a_sx2, b_X2, b_sx1,
-                                     b_sx2, A_TWO, A_VEC, B_TWO, B_VEC, BLOCK_X)
-            a3, b3, a4, b4 = _load_two(a_ptr, b_ptr, a_row, b_row, x + 2 * BLOCK_X, row_ok, X, end, a_X2, a_sx1,
-                                       a_sx2, b_X2, b_sx1, b_sx2, A_TWO, A_VEC, B_TWO, B_VEC, BLOCK_X)
-            num, den, aa, ab, mx, flags = _add_step(a, b, num, den, aa, ab, mx, flags)
-            num, den, aa, ab, mx, flags = _add_step(a2, b2, num, den, aa, ab, mx, flags)
-            num, den, aa, ab, mx, flags = _add_step(a3, b3, num, den, aa, ab, mx, flags)
-            num, den, aa, ab, mx, flags = _add_step(a4, b4, num, den, aa, ab, mx, flags)
-        elif UNROLL == 2:
-            a, b, a2, b2 = _load_two(a_ptr, b_ptr, a_row, b_row, x, row_ok, X, end, a_X2, a_sx1, a_sx2, b_X2, b_sx1,
-                                     b_sx2, A_TWO, A_VEC, B_TWO, B_VEC, BLOCK_X)
-            num, den, aa, ab, mx, flags = _add_step(a, b, num, den, aa, ab, mx, flags)
-            num, den, aa, ab, mx, flags = _add_step(a2, b2, num, den, aa, ab, mx, flags)
-        else:
-            m = row_ok[:, None] & (x < X)[None, :]
-            a = tl.load(a_ptr + _offsets(a_row, x, a_X2, a_sx1, a_sx2, A_TWO, A_VEC), mask=m, other=0.0)
-            b = tl.load(b_ptr + _offsets(b_row, x, b_X2, b_sx1, b_sx2, B_TWO, B_VEC), mask=m, other=0.0)
-            num, den, aa, ab, mx, flags = _add_step(a, b, num, den, aa, ab, mx, flags)
-        i += UNROLL
+        m = row_ok[:, None] & (x < X)[None, :]
+        a = tl.load(a_ptr + _offsets(a_row, x, a_X2, a_sx1, a_sx2, A_TWO, A_VEC), mask=m, other=0.0)
+        b = tl.load(b_ptr + _offsets(b_row, x, b_X2, b_sx1, b_sx2, B_TWO, B_VEC), mask=m, other=0.0)
+        a = a.to(tl.float64)                  # exact for every supported dtype; all arithmetic below in float64
+        b = b.to(tl.float64)
+        d = a - b
+        d_fin = tl.abs(d) < INF               # isfinite: False for +-inf and NaN
+        d = tl.where(d_fin, d, 0.0)
+        num += d * d
+        den += b * b
+        aa += a * a
+        ab += a * b
+        mx = tl.maximum(mx, tl.abs(d))        # never NaN: non-finite differences are 0 here
+        flags = flags | tl.where(tl.abs(a) < INF, 0, 1) | tl.where(tl.abs(b) < INF, 0, 2)
+        i += 1
     return (tl.reduce(num, 1, tl.standard._sum_combine), tl.reduce(den, 1, tl.standard._sum_combine),
             tl.reduce(aa, 1, tl.standard._sum_combine), tl.reduce(ab, 1, tl.standard._sum_combine),
             tl.reduce(mx, 1, tl.standard._elementwise_max), tl.reduce(flags & 1, 1, tl.standard._elementwise_max),
@@ -253,7 +211,6 @@ def _sites_kernel(
     A_TWO: tl.constexpr, A_VEC: tl.constexpr, B_TWO: tl.constexpr, B_VEC: tl.constexpr,   # row layouts (_offsets)
     X_VEC: tl.constexpr,      # X is a multiple of it (_vec)
     ROWS: tl.constexpr, BLOCK_X: tl.constexpr,
-    UNROLL: tl.constexpr = 1,  # steps loaded before their arithmetic (_row_sums)
 ):
     """Many (dev, ref) sites in one launch, each row read where it lies (no stacking copy). A program sums ROWS rows
     of its site over one piece of their elements (a whole row, or a piece of a long one) for _combine_kernel; the
@@ -278,7 +235,7 @@ def _sites_kernel(
                   b8_ptr, b9_ptr, b10_ptr, b11_ptr, b12_ptr, b13_ptr, b14_ptr, b15_ptr)
     num, den, aa, ab, mx, a_bad, b_bad = _row_sums(
         a_ptr, b_ptr, f, rows, row_ok, step0, tl.minimum(steps, (X + BLOCK_X - 1) // BLOCK_X - step0),
-        A_TWO, A_VEC, B_TWO, B_VEC, X_VEC, ROWS, BLOCK_X, UNROLL)
+        A_TWO, A_VEC, B_TWO, B_VEC, X_VEC, ROWS, BLOCK_X)
     _store_parts(part_ptr + tl.load(f + 16) + piece * R, rows, row_ok, split * R,
                  num, den, aa, ab, mx, a_bad, b_bad)
 
@@ -330,9 +287,9 @@ def site_errors_fused(dev: torch.Tensor, ref: torch.Tensor, config: dict | None 
     The same values as `metrics._site_errors_torch` (up to float64 rounding of the sums: the order differs).
     dev is moved to ref's device in its own dtype (the float64 conversion happens in the kernel). dev and ref must
     have the same S, T and number of elements per (s, t) (the torch version would broadcast a single element).
-    config: BLOCK_X, ROWS, SPLIT, num_warps (UNROLL: 1 if not given) instead of `plan`'s (tests and benchmarks);
-    without one, the pair is `site_errors_sites`'s, so its bits are the same however it is measured. A plain dict
-    (one pair: its views cost nothing worth saving; site_errors_sites hands out lazy `SiteErrors`)."""
+    config: BLOCK_X, ROWS, SPLIT, num_warps instead of `plan`'s (tests and benchmarks); without one, the pair is
+    `site_errors_sites`'s, so its bits are the same however it is measured. A plain dict (one pair: its views cost
+    nothing worth saving; site_errors_sites hands out lazy `SiteErrors`)."""
     if config is None:
         return dict(site_errors_sites([(dev, ref)])[0])
     a, b = _prepared(dev, ref)
@@ -409,7 +366,7 @@ class _Plan:
                 continue
             X = b.numel() // (S * T)
             cut = config or plan(S * T, X, sms)
-            key = (a.dtype, b.dtype, cut["BLOCK_X"], cut["ROWS"], cut.get("num_warps", 4), cut.get("UNROLL", 1),
+            key = (a.dtype, b.dtype, cut["BLOCK_X"], cut["ROWS"], cut.get("num_warps", 4),
                    a_lay[3], _vec(a, a_lay, X), b_lay[3], _vec(b, b_lay, X))
             groups.setdefault(key, []).append((i, S * T, T, X, a.stride(0), a.stride(1), *a_lay[:3],
                                                b.stride(0), b.stride(1), *b_lay[:3], cut["SPLIT"]))
@@ -418,7 +375,7 @@ class _Plan:
     def _add_launch(self, key: tuple, items: list, combine: list):
         """One `_sites_kernel` launch of up to SITES_PER_LAUNCH like pairs: its table, grid and options; where each
         pair's metrics (and pieces) go; the pairs cut into pieces added to the combine launch's table."""
-        _, _, block_x, rows, warps, unroll, a_two, a_vec, b_two, b_vec = key
+        _, _, block_x, rows, warps, a_two, a_vec, b_two, b_vec = key
         table, first = [], 0
         for i, R, T, X, *strides, split in items:
             steps = cdiv(cdiv(X, block_x), split)
@@ -435,7 +392,7 @@ class _Plan:
             idx=idx + idx[:1] * (SITES_PER_LAUNCH - len(idx)), n=len(idx), grid=(first,),
             table=torch.tensor(table, dtype=torch.int64),
             meta=dict(A_TWO=a_two, A_VEC=a_vec, B_TWO=b_two, B_VEC=b_vec, X_VEC=max(a_vec, b_vec, 1), ROWS=rows,
-                      BLOCK_X=block_x, UNROLL=unroll, num_warps=warps)))
+                      BLOCK_X=block_x, num_warps=warps)))
 
     def run(self, pairs: list) -> list:
         res = torch.empty(self.total, dtype=torch.float64, device=self.device) if self.total else None

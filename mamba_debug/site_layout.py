@@ -43,41 +43,32 @@ def _layout(shape: tuple, strides: tuple):
 
 @functools.lru_cache(maxsize=4096)
 def plan(R: int, X: int, sms: int = 0) -> dict:
-    """How R rows of X elements are cut: BLOCK_X elements per step, ROWS rows per program, SPLIT pieces per row,
-    UNROLL steps loaded before their arithmetic (`_row_sums`).
+    """How R rows of X elements are cut: BLOCK_X elements per step, ROWS rows per program, SPLIT pieces per row.
 
     Interpreter (sms == 0): each block operation costs ~50 us of Python whatever its size, so the fewest and
-    largest blocks (up to 64K elements), one piece per row, one step at a time.
-    GPU (sms: the device's SM count): steps of 256 elements over 4 warps (2 per thread: 8-byte loads of float32),
-    four steps' loads out before their arithmetic, short rows packed several per program. Compiled for sm_90 that
-    is 64 registers, 8 programs an SM, and 64 KB of loads in flight an SM, where steps of 512 one at a time (the cut
-    until 2026-12-05: 64 registers, 4 per thread) had 32 KB: the kernel waited on memory at 2.4-2.8 TB/s of an
-    H200's ~4.8 (benchmarks/site_metrics_bench.py times both). Rows are cut into pieces of whole steps, combined in
-    order by a second kernel, when there are too few programs to keep every SM busy: a state taken at the end of a
-    ubatch (S rows of 81920: one-step pieces) or the per-token states of a ubatch of 512 (3 pieces per row, 1536
-    programs instead of 512, about 1.3 waves of resident programs otherwise)."""
+    largest blocks (up to 64K elements), one piece per row.
+    GPU (sms: the device's SM count): steps of 512 elements over 4 warps (4 per thread: 16-byte loads of float32,
+    64 registers on sm_90), short rows packed several per program. Rows are cut into pieces of whole steps, combined
+    in order by a second kernel, when there are too few programs to keep every SM busy: the per-token states of a
+    ubatch of 512 (3 pieces per row, 1536 programs instead of 512, about 1.3 waves of resident programs otherwise),
+    and rows fewer than the SMs, such as a state taken at the end of a ubatch (S rows of 81920), in pieces of 1024
+    elements. The combine kernel walks a row's pieces one after another, so one-step pieces (160 for such a state)
+    made that walk the longest program of a 2.8B layer's measurement: 281-283 us a layer on an H100, 252-255 with
+    pieces of 1024 (80). Steps of 1024 over 4 or 8 warps, of 2048, and loads issued two or four steps ahead of
+    their arithmetic were no faster (benchmarks/README.md, twenty-seventh session)."""
     bx = next_pow2(max(X, 1))
     if not sms:
         block_x = min(bx, 2 ** 14)
         rows = max(1, min(next_pow2(R), 2 ** 16 // block_x))
-        return dict(BLOCK_X=block_x, ROWS=rows, SPLIT=1, num_warps=1, UNROLL=1)
-    block_x = min(bx, GPU_STEP)
-    rows = max(1, min(next_pow2(R), GPU_STEP // block_x))
+        return dict(BLOCK_X=block_x, ROWS=rows, SPLIT=1, num_warps=1)
+    block_x = min(bx, 512)
+    rows = max(1, min(next_pow2(R), 512 // block_x))
     programs = cdiv(R, rows)
     split = 1
     if programs < 8 * sms:
-        # pieces of 512 elements at least (the combine kernel walks a row's pieces one after another), 8192 when
-        # there are enough programs already
-        min_piece = 512 if programs < sms else 8192
+        min_piece = 1024 if programs < sms else 16 * block_x    # enough programs already: long pieces only
         split = max(1, min(cdiv(X, min_piece), cdiv(8 * sms, programs)))
-    steps = cdiv(cdiv(X, block_x), split)
-    # UNROLL 4 for every piece of more than one step, short ones too (a masked step costs little): the sites of a
-    # layer then share one launch group, as before UNROLL (a group per UNROLL was a launch more per measurement)
-    return dict(BLOCK_X=block_x, ROWS=rows, SPLIT=split, num_warps=max(1, min(8, rows * block_x // 64)),
-                UNROLL=4 if steps > 1 else 1)
-
-
-GPU_STEP = 256          # elements a GPU program reads per step (plan)
+    return dict(BLOCK_X=block_x, ROWS=rows, SPLIT=split, num_warps=max(1, min(8, rows * block_x // 128)))
 
 
 def vec(t: torch.Tensor, lay: tuple, X: int) -> int:
