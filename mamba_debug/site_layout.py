@@ -66,7 +66,9 @@ def plan(R: int, X: int, sms: int = 0) -> dict:
     programs = cdiv(R, rows)
     split = 1
     if programs < 8 * sms:
-        min_piece = 1024 if programs < sms else 16 * block_x    # enough programs already: long pieces only
+        # fewer rows than SMs: pieces of 1024 elements at least (the combine kernel walks a row's pieces in order);
+        # enough programs already: long pieces only
+        min_piece = 1024 if programs < sms else 16 * block_x
         split = max(1, min(cdiv(X, min_piece), cdiv(8 * sms, programs)))
     return dict(BLOCK_X=block_x, ROWS=rows, SPLIT=split, num_warps=max(1, min(8, rows * block_x // 128)))
 
