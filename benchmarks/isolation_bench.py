@@ -5,7 +5,8 @@ What it checks is a 2.8B layer's plug-in calls at one ubatch, as a device forwar
 (conv_state, x: a half of in_proj's output, weight) and ssm_scan (ssm_state, x, dt, A, and B, C: slices of
 x_proj's output), n_layer times inside one `isolation.deferred()` block, settled with one wait. Both ways must
 find a write (checked first), then each is timed: wall time per forward pass (GPU synchronized before and after;
-the block ends with the check's own wait) and the host's time to queue it.
+the block ends with the check's own wait) and the host's time to queue it; on a GPU also one call checked alone,
+outside a forward pass (a kernel called from a notebook), where the torch way waits for the GPU once per input.
 
   python3 benchmarks/isolation_bench.py            # a GPU: the 2.8B shape, ubatch 512
   python3 benchmarks/isolation_bench.py --small    # anywhere: a small shape (the kernel interpreted on a CPU)
@@ -60,6 +61,19 @@ def _timed(layers: list, sync, reps: int) -> tuple:
     return statistics.median(walls), min(walls), statistics.median(hosts)
 
 
+def _direct(layers: list, sync, reps: int) -> float:
+    """Median seconds of one call's check outside a forward pass (checked at once: the torch way waits per input)."""
+    times = []
+    for _ in range(reps):
+        for conv, scan in layers[:8]:
+            for args in (conv, scan):
+                sync()
+                t0 = time.perf_counter()
+                assert not isolation.changed_inputs(isolation.snapshot_inputs(args, {}))
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="a small shape (the kernel interpreted without a GPU)")
@@ -84,14 +98,14 @@ def main():
         except isolation.PluginError as e:
             assert "argument 1" in str(e), e
         _forward(layers)                                  # warm: compiled, plans kept
-        rows.append((way, *_timed(layers, sync, reps)))
+        rows.append((way, *_timed(layers, sync, reps), _direct(layers, sync, reps) if cuda else None))
     isolation.Fused.take = kernel_way
     name = torch.cuda.get_device_name() if cuda else "CPU (kernel interpreted)"
     print(f"\n{name}, {n_layer} layers x (ssm_conv + ssm_scan), {shape}, {reps} forward passes each")
-    print(f"{'way':40s} {'wall median':>12s} {'wall min':>10s} {'host queue':>11s}  per call")
-    for way, med, lo, host in rows:
+    print(f"{'way':40s} {'wall median':>12s} {'wall min':>10s} {'host queue':>11s}  per call  one call alone")
+    for way, med, lo, host, alone in rows:
         print(f"{way:40s} {med * 1e3:9.2f} ms {lo * 1e3:7.2f} ms {host * 1e3:8.2f} ms  "
-              f"{med / (2 * n_layer) * 1e6:6.1f} us")
+              f"{med / (2 * n_layer) * 1e6:6.1f} us  " + (f"{alone * 1e6:8.1f} us" if alone else "    (GPU only)"))
 
 
 if __name__ == "__main__":

@@ -41,11 +41,13 @@ def _named(args: tuple, kwargs: dict) -> list:
 
 
 def snapshot_inputs(args: tuple, kwargs: dict):
-    """The inputs' state before an op call. Inside `deferred()` with GPU inputs: a `Fused` snapshot (the kernel's
-    copy is queued). Otherwise (name, the tensor, its bits, a copy of its bits) per tensor argument; the bits view is
-    kept for the comparison (on a host-bound GPU run every dispatcher call per input and op call counts)."""
+    """The inputs' state before an op call. GPU inputs: a `Fused` snapshot (the kernel's copy is queued; outside
+    `deferred()` its check then waits once, not once per input). Otherwise (name, the tensor, its bits, a copy of its
+    bits) per tensor argument; the bits view is kept for the comparison (on a host-bound GPU run every dispatcher
+    call per input and op call counts)."""
     named = _named(args, kwargs)
-    if named and getattr(_LOCAL, "pending", None) is not None and (named[0][1].is_cuda or DEFER_ON_CPU):
+    deferring = DEFER_ON_CPU and getattr(_LOCAL, "pending", None) is not None
+    if named and (named[0][1].is_cuda or deferring):
         fused = Fused.take(named)
         if fused is not None:
             return fused

@@ -144,3 +144,13 @@ def test_outside_a_forward_pass_the_check_is_at_once():
         snap = isolation.snapshot_inputs((), t)
     t["A"][0, 0] += 1
     assert isolation.changed_inputs(snap) == ["A"]
+
+
+def test_a_call_outside_a_forward_pass():
+    """A kernel called alone (a notebook): GPU inputs still go through the kernel, checked with one wait; CPU
+    inputs the torch way."""
+    t = _inputs(6)
+    snap = isolation.snapshot_inputs((), t)
+    assert isinstance(snap, isolation.Fused) == (DEVICE == "cuda")
+    t["z"][1, 2, 3] += 1
+    assert isolation.changed_inputs(snap) == ["z"]
