@@ -41,7 +41,8 @@ def log(*a):
 # -- the model -----------------------------------------------------------------------------------------------
 def mamba_ssm_params(cfg: MambaConfig, seed: int, device: str) -> dict[str, torch.Tensor]:
     """Random weights at mamba_ssm's initial scale (Mamba.__init__, MambaLMHeadModel._init_weights), rounded to
-    float32 values (a real checkpoint's, so the float64 reference keeps them as float32 on the GPU) and held as float64.
+    float32 values (a real checkpoint's, so the float64 reference keeps them as float32 on the GPU) and held as float64;
+    A as the transformers loader makes it from a float32 A_log (-exp in float64: not a float32 value).
 
     Not tests/conftest.random_params: that one draws every matrix on the CPU with one generator (~15 s for
     2.8B parameters) and does not scale out_proj by 1/sqrt(n_layer), which 64 residual additions need.
@@ -80,6 +81,8 @@ def mamba_ssm_params(cfg: MambaConfig, seed: int, device: str) -> dict[str, torc
         else:
             t = make[leaf](shape)
         params[name] = t.to(torch.float32).to(torch.float64).cpu()   # float32 values, as a real checkpoint holds
+        if leaf == "A":      # a checkpoint holds A_log (float32); the loader's A = -exp(A_log) is not a float32 value
+            params[name] = -torch.exp(torch.log(-params[name]).to(torch.float32).to(torch.float64))
     params["lm_head"] = params["embed"]                          # tied embeddings
     return params
 

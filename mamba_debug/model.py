@@ -40,7 +40,6 @@ class Model:
         self.source = source              # the path it was loaded from ("" in memory)
         self.notes = list(notes)          # what the loader could not carry over (e.g. a tokenizer it did not rebuild)
         self._cast: dict = {}
-        self._exact: Optional[bool] = None     # every master a float32 value? (stored_weights)
 
     def __repr__(self) -> str:
         c = self.config
@@ -58,25 +57,40 @@ class Model:
         """(parameters as kept for the back-end, whether to widen them to its dtype where they are used); cast
         once per (back-end, device, dtype) and shared by every run on that back-end.
 
-        On a GPU, the float64 reference keeps the float32 reference's copy when every master is a float32 value
-        (every real checkpoint: f32, f16 and bf16 widen exactly): 12 bytes per parameter on the GPU instead of 20
-        (2.8B: 23 GB less), and the Runner widens one block's weights at a time, which gives the same bits."""
-        if backend.dtype == torch.float64 and backend.device.type in NARROW_FLOAT64_ON \
-                and self._float32_exact(backend.device):
-            return self.weights(cpu_backend(backend.device)), True
+        On a GPU, the float64 reference keeps the float32 reference's copy of every master that is a float32 value
+        (every tensor a checkpoint stores: f32, f16 and bf16 widen exactly) and a float64 copy of the others (A =
+        -exp(A_log), computed in float64 from a transformers checkpoint): ~12 bytes per parameter on the GPU instead
+        of 20 (2.8B: 23 GB less). The Runner widens one block's weights at a time, which gives the same bits."""
+        if backend.device.type in NARROW_FLOAT64_ON and backend.dtype in (torch.float32, torch.float64) \
+                and backend.name in ("cpu", "reference"):
+            narrow, wide = self._narrowed(backend.device)
+            if backend.dtype == torch.float32:
+                return narrow, False
+            if not wide:
+                return narrow, True
+            if backend.key not in self._cast:
+                self._cast[backend.key] = {k: self.params[k].to(backend.device) if k in wide else v
+                                           for k, v in narrow.items()}
+            return self._cast[backend.key], True
         if backend.key not in self._cast:
             self._cast[backend.key] = {k: v.to(device=backend.device, dtype=backend.dtype)
                                        for k, v in self.params.items()}
         return self._cast[backend.key], False
 
-    def _float32_exact(self, device) -> bool:
-        """Does every float64 master equal its float32 rounding? Checked once, one tensor at a time on `device`."""
-        if self._exact is None:
-            def exact(v):
-                v = v.to(device)
-                return torch.equal(v.to(torch.float32).to(torch.float64), v)
-            self._exact = all(v.dtype != torch.float64 or exact(v) for v in self.params.values())
-        return self._exact
+    def _narrowed(self, device) -> tuple:
+        """The float32 references' weights on `device`, and the names of the masters that are not float32 values,
+        from one upload of each master (torch's float64-to-float32 cast onto a GPU uploads the float64 values too,
+        so the check costs no transfer of its own). Only the float64 reference uploads those masters again."""
+        key = ("narrowed", str(device))
+        if key not in self._cast:
+            narrow, wide = {}, set()
+            for k, v in self.params.items():
+                g = v.to(device)
+                narrow[k] = g.to(torch.float32)
+                if v.dtype == torch.float64 and not torch.equal(narrow[k].to(torch.float64), g):
+                    wide.add(k)
+            self._cast[key] = (narrow, frozenset(wide))
+        return self._cast[key]
 
     @property
     def sites(self) -> tuple:
