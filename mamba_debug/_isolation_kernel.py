@@ -7,12 +7,13 @@ into one snapshot buffer (CHECK=False) or compares them bit for bit with that bu
 when any differ (CHECK=True). The inputs are their integer bit views (isolation._bits): NaN == NaN, -0.0 != 0.0.
 
 A kernel input is any tensor that is rows of unit-stride elements once its dimensions are merged (contiguous
-tensors, slices of a wider projection such as x, z, B and C). Others (expanded or transposed views) are left to
-the torch way. Inputs of one dtype share a launch, up to SLOTS at a time.
+tensors, slices of a wider projection such as x, z, B and C, rows repeated by `expand`). Others (a transposed view)
+are left to the torch way. Inputs of one dtype and alignment share a launch, up to SLOTS at a time.
 
 Do not import this file: isolation.py executes it once per mode, like _site_metrics.py (see that file's docstring
 for why, and for the `while` loops).
 """
+import contextlib
 import os
 
 import torch
@@ -78,9 +79,9 @@ def _isolation_kernel(p0, p1, p2, p3, p4, p5, p6, p7,   # the inputs' bit views 
     x = tl.load(p + src[:, None] + cols[None, :], mask=m, other=0)
     if CHECK:
         s = tl.load(snap_ptr + dst[:, None] + cols[None, :], mask=m, other=0)
-        bad = tl.where(x != s, 1, 0)
+        bad = tl.where(x != s, 1, 0)          # tl.max is a jit function, which the interpreter cannot call here
         bad = tl.reduce(tl.reduce(bad, 1, tl.standard._elementwise_max), 0, tl.standard._elementwise_max)
-        tl.store(flags_ptr + tl.load(f + 7), bad, mask=bad > 0)      # tl.max is a jit function: tl.reduce
+        tl.store(flags_ptr + tl.load(f + 7), bad, mask=bad > 0)
     else:
         tl.store(snap_ptr + dst[:, None] + cols[None, :], x, mask=m)
 
@@ -180,6 +181,5 @@ def _vec(v: torch.Tensor, lay) -> int:
 def _on(device):
     """Launches on `device` when it is a GPU other than the current one (Triton launches on the current one)."""
     if INTERPRET or device.index is None or device.index == torch.cuda.current_device():
-        import contextlib  # noqa: PLC0415
         return contextlib.nullcontext()
     return torch.cuda.device(device)

@@ -3,13 +3,13 @@ its inputs, bit for bit, before and after the call (`plugins.checked_op`). The o
 (strided views included: copying them into contiguous ones would hide the #6758 class of bug); only the snapshot
 is a copy. `states_out` is an output buffer the op is meant to fill, so it is not checked.
 
-On a GPU, comparing after every call (`torch.equal`) waits for the GPU each time: about two waits per layer and
-ubatch, each leaving the device idle while the host queues the next kernels. Inside `deferred()` (a Runner's forward
-pass) the comparison of GPU inputs is queued instead (a flag on the device per input, the snapshot freed at once)
-and settled with one wait when the block ends: the same check and message, once per forward pass. There a call's
-inputs are copied by one launch of `_isolation_kernel.py` before it and compared by one after it (per dtype and
-alignment), not by a copy, `ne` and `any` per input: a 2.8B prefill's ~7000 launches of the check became ~1500
-(benchmarks/README.md, twenty-eighth session)."""
+On a GPU, a call's inputs are copied by one launch of `_isolation_kernel.py` before it and compared by one after it
+(per dtype and alignment), not by a copy, `ne` and `any` per input: a 2.8B prefill's ~7000 launches of the check
+became ~1500 (benchmarks/README.md, twenty-eighth session). Waiting for the result after every call would leave the
+device idle twice per layer and ubatch while the host queues the next kernels, so inside `deferred()` (a Runner's
+forward pass) the flags (one per input, on the device) are queued, the snapshot freed at once, and all of them are
+settled with one wait when the block ends: the same check and message, once per forward pass. A call outside it (a
+kernel called from a notebook) waits once for its own flags."""
 from __future__ import annotations
 
 import contextlib
