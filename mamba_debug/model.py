@@ -73,8 +73,15 @@ class Model:
                                            for k, v in narrow.items()}
             return self._cast[backend.key], True
         if backend.key not in self._cast:
-            self._cast[backend.key] = {k: v.to(device=backend.device, dtype=backend.dtype)
-                                       for k, v in self.params.items()}
+            refs = self._cast.get(("narrowed", str(backend.device)))
+            if refs is not None and backend.dtype == torch.float32:
+                # the float32 references' copy on this device, cloned there: the same bits (one rounding of the same
+                # masters), tensors of its own (a device side never shares a weight tensor with a reference), and no
+                # second upload of the float64 masters (a 2.8B model: ~3 s of a first comparison)
+                self._cast[backend.key] = {k: v.clone() for k, v in refs[0].items()}
+            else:
+                self._cast[backend.key] = {k: v.to(device=backend.device, dtype=backend.dtype)
+                                           for k, v in self.params.items()}
         return self._cast[backend.key], False
 
     def _narrowed(self, device) -> tuple:

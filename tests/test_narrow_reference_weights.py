@@ -73,3 +73,19 @@ def test_shipped_checkpoints_keep_only_A_in_float64(monkeypatch):
     m = load_model(shipped_dir("data") / "tiny-mamba")
     stored, widen = m.stored_weights(reference_backend("cpu"))
     assert widen and {k.split(".")[-1] for k, v in stored.items() if v.dtype == torch.float64} == {"A"}
+
+
+def test_a_device_side_clones_the_references_float32_copy(monkeypatch):
+    """On a GPU whose references hold a float32 copy, a device back-end's weights are that copy cloned on the device
+    (no second upload): the same bits as casting the masters, never the same tensors."""
+    from mamba_debug.backends import device_backend
+    monkeypatch.setattr(model_mod, "NARROW_FLOAT64_ON", ("cpu",))
+    m = random_model(5)
+    ref32 = m.stored_weights(cpu_backend("cpu"))[0]
+    expected = {k: v.to(torch.float32) for k, v in m.params.items()}
+    for v in m.params.values():
+        v.fill_(float("nan"))                 # read again, the masters would give NaN: they are not read again
+    dev, widen = m.stored_weights(device_backend("torch", "cpu"))
+    assert not widen and dev.keys() == ref32.keys()
+    for k, v in dev.items():
+        assert torch.equal(v, expected[k]) and v.data_ptr() != ref32[k].data_ptr(), k
