@@ -154,3 +154,27 @@ def test_a_call_outside_a_forward_pass():
     assert isinstance(snap, isolation.Fused) == (DEVICE == "cuda")
     t["z"][1, 2, 3] += 1
     assert isolation.changed_inputs(snap) == ["z"]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run checks this")
+def test_a_hybrid_models_forward_passes_go_through_the_kernel(monkeypatch):
+    """Mamba-2's and attention's plug-in ops (4-D views of one projection, gated norms) in a whole comparison: every
+    call through the kernel, and the comparison's answer the same as without the deferred check."""
+    from mamba_debug.compare import run_compare
+    from mamba_debug.io.load import load_model
+    from mamba_debug.settings import RunSettings
+    from mamba_debug.shipped import shipped_dir
+    m = load_model(shipped_dir("data") / "tiny-granite-hybrid")
+    ids, s = list(range(3, 30)), RunSettings(kernels="triton", device="cpu", ubatch=8, n_gen=1)
+    monkeypatch.setattr(isolation, "DEFER_ON_CPU", False)
+    plain = run_compare(m, ids, s)
+    took = []
+    real = isolation.Fused.take.__func__
+    monkeypatch.setattr(isolation.Fused, "take", classmethod(lambda cls, named: took.append(real(cls, named)) or
+                                                             took[-1]))
+    monkeypatch.setattr(isolation, "DEFER_ON_CPU", True)
+    checked = run_compare(m, ids, s)
+    assert took and all(f is not None and f.queued is not None for f in took)
+    for key, e in plain.errors.items():
+        for metric, v in e.items():
+            assert torch.equal(v.nan_to_num(-1), checked.errors[key][metric].nan_to_num(-1)), (key, metric)
