@@ -13,22 +13,17 @@ are left to the torch way. Inputs of one dtype and alignment share a launch, up 
 Do not import this file: isolation.py executes it once per mode, like _site_metrics.py (see that file's docstring
 for why, and for the `while` loops).
 """
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, cdiv, helper_jit, next_pow2
+from mamba_debug.triton_launch import Launch, cdiv, check_mode, helper_jit, next_pow2, on_device
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-if INTERPRET:
-    import triton.experimental.gluon  # noqa: F401  (see _site_metrics.py)
-elif not isinstance(tl.standard._sum_combine, triton.runtime.JITFunction):
-    raise ImportError("triton was first imported with TRITON_INTERPRET=1 in this process, so its library is "
-                      "interpreted and the isolation kernel cannot be compiled for cuda")
+check_mode(INTERPRET, "the isolation kernel")
 
 _device_function = helper_jit(INTERPRET)
 
@@ -157,7 +152,7 @@ class Plan:
 
     def _run(self, g: dict, views: list, snap, flags, check: bool):
         tensors = [views[i] for i in g["idx"]]
-        with _on(self.device):
+        with on_device(self.device, INTERPRET):
             _launch(g["grid"], (*tensors, snap, g["table"], flags, g["owner"]), (),
                     dict(CHECK=check, VEC=g["vec"], RB=g["RB"], CB=g["CB"], num_warps=4))
 
@@ -176,10 +171,3 @@ def _vec(v: torch.Tensor, lay) -> int:
     rows, srow, C = lay
     ok = v.data_ptr() % 16 == 0 and C % vec == 0 and (rows == 1 or srow % vec == 0)
     return vec if ok else 1
-
-
-def _on(device):
-    """Launches on `device` when it is a GPU other than the current one (Triton launches on the current one)."""
-    if INTERPRET or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)

@@ -34,18 +34,11 @@ import triton.language as tl
 
 from mamba_debug.metric_block import METRICS, SiteErrors   # METRICS: the order of a site's rows in `out`
 from mamba_debug.site_layout import plan, row_layout as _row_layout, vec as _vec
-from mamba_debug.triton_launch import Launch, cdiv, helper_jit, sm_count
+from mamba_debug.triton_launch import Launch, cdiv, check_mode, helper_jit, on_device, sm_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-if INTERPRET:
-    # The first interpreted launch imports triton.experimental.gluon, which asserts that TRITON_INTERPRET is still
-    # set if triton's library was built interpreted; the loader restores the variable after executing this file.
-    import triton.experimental.gluon  # noqa: F401
-elif not isinstance(tl.standard._sum_combine, triton.runtime.JITFunction):
-    raise ImportError("triton was first imported with TRITON_INTERPRET=1 in this process, so its library is "
-                      "interpreted and the metrics kernel cannot be compiled for cuda; run the GPU comparison in a "
-                      "process started without TRITON_INTERPRET=1")
+check_mode(INTERPRET, "the metrics kernel")
 
 
 _device_function = helper_jit(INTERPRET)     # the helpers below: plain functions under the interpreter
@@ -397,7 +390,7 @@ class _Plan:
     def run(self, pairs: list) -> list:
         res = torch.empty(self.total, dtype=torch.float64, device=self.device) if self.total else None
         part = torch.empty(self.parts, dtype=torch.float64, device=self.device) if self.total else None
-        with _on(self.device), _quiet():
+        with on_device(self.device, INTERPRET), _quiet():
             for g in self.launches:
                 a = [pairs[i][0] for i in g["idx"]]
                 b = [pairs[i][1] for i in g["idx"]]
@@ -443,13 +436,6 @@ def _prepared(dev: torch.Tensor, ref: torch.Tensor):
     if b.numel() == 0 and b.shape[0] * b.shape[1]:
         raise ValueError(f"site_errors: no elements per (s, t) (ref {list(ref.shape)}): max_abs is undefined")
     return a, b
-
-
-def _on(device):
-    """Launches on `device` when it is a GPU other than the current one (Triton launches on the current device)."""
-    if INTERPRET or device is None or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
 
 
 def _quiet():

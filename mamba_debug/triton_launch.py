@@ -82,6 +82,28 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def check_mode(interpret: bool, what: str):
+    """At the top of a Triton file executed by path (`triton_env.exec_file`): its mode is one Triton can give here.
+    Interpreted: the first interpreted launch imports triton.experimental.gluon, which asserts that TRITON_INTERPRET
+    is still set if triton's library was built interpreted; the loader restores the variable after executing the
+    file, so it is imported now. Compiled: a library first imported interpreted cannot compile (ImportError)."""
+    import triton  # noqa: PLC0415
+    import triton.language  # noqa: F401, PLC0415
+    if interpret:
+        import triton.experimental.gluon  # noqa: F401, PLC0415
+    elif not isinstance(triton.language.standard._sum_combine, triton.runtime.JITFunction):
+        raise ImportError(f"triton was first imported with TRITON_INTERPRET=1 in this process, so its library is "
+                          f"interpreted and {what} cannot be compiled for cuda; run the GPU comparison in a process "
+                          f"started without TRITON_INTERPRET=1")
+
+
+def on_device(device, interpret: bool):
+    """Launches on `device` when it is a GPU other than the current one (Triton launches on the current device)."""
+    if interpret or device is None or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def helper_jit(interpret: bool):
     """The decorator of a kernel file's helper functions: triton.jit when compiled; under the interpreter the plain
     function, same source. The interpreter re-patches triton.language on every call of a jit function (about 1 ms,
