@@ -8,6 +8,8 @@ Part 2  tracing overhead: a 2048-token prefill (batch 1) of the device side only
 Part 3  end to end: `run_compare` with the reference sides' torch ops on the GPU (`ref_device="cuda"`) and
         capture="metrics"; wall time, peak GPU memory, peak host RSS, first divergence (None expected), KLD.
 Part 4  the same with the reference sides on the CPU (the default), over a short prompt, extrapolated to 2048.
+Part 5  (`cli`) what a user runs: `mamba-debug compare` on the model saved as a transformers folder, twice, each
+        first in its process (imports, the checkpoint's load, CUDA's start, the comparison, its report); wall time.
 
 Run on the GPU machine:  TRITON_INTERPRET=0 python3 benchmarks/gpu_e2e.py          (about 3-4 minutes)
 Check it on a CPU:       python3 benchmarks/gpu_e2e.py --small    (4 layers, d_model 256, 256 tokens, Triton's
@@ -22,7 +24,9 @@ import contextlib
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -157,6 +161,47 @@ def part_cpu_reference(model, prompt, ubatch, device, n_full) -> dict:
             "note": f"estimate: {per_token * 1e3:.0f} ms/token after the first ubatch; measured run {wall:.1f} s"}
 
 
+def part_cli(model, prompt, n_gen, ubatch, ref_device, device, runs=2) -> list:
+    """What a user runs: `mamba-debug compare` on a saved transformers folder, each run first in its own process
+    (Python's and torch's imports, the checkpoint's load into float64 masters and their checks, CUDA's start, the
+    comparison, its report): wall clock. Also the load alone, timed here. The folder (float32, 11.6 GB for the 2.8B
+    shape) lies in a temporary directory, removed after. This process's device weights are dropped first: the
+    command's process holds its own."""
+    from mamba_debug.io import load_model, save_hf  # noqa: PLC0415
+    model._cast.clear()                 # the weights this process cast for the parts before (GPU memory)
+    free_memory()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_e2e_cli_") as tmp:
+        folder = save_hf(model, Path(tmp) / "model")
+        t = time.perf_counter()
+        loaded = load_model(folder)
+        rows.append({"part": "cli", "what": "load_model of the saved folder, in this process (float64 masters, their "
+                                            "checks)", "seconds": time.perf_counter() - t, "ratio": None,
+                     "note": f"{sum(f.stat().st_size for f in folder.iterdir()) / GB:.1f} GB folder"})
+        del loaded
+        free_memory()
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable, "-m", "mamba_debug.cli", "compare", "--model", str(folder), "--prompt",
+               " ".join(map(str, prompt)), "--ubatch", str(ubatch), "--n-gen", str(n_gen), "--device", device,
+               "--ref-device", ref_device, "--capture", "metrics", "--json", str(out)]
+        for k in range(runs):
+            t = time.perf_counter()
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            wall = time.perf_counter() - t
+            if p.returncode != 0:
+                raise RuntimeError(f"mamba-debug compare exited {p.returncode}: {p.stderr.strip()[-600:]}")
+            j = json.loads(out.read_text())
+            rows.append({"part": "cli", "what": f"mamba-debug compare, {len(prompt)}+{n_gen} tokens, ubatch {ubatch}, "
+                                                f"capture metrics, reference on {ref_device}, first in its process "
+                                                f"(run {k + 1} of {runs}: Triton's disk cache "
+                                                f"{'as found' if k == 0 else 'warm'})",
+                         "seconds": wall, "ratio": None, "first_divergence": j["first_divergence"],
+                         "note": f"the comparison itself {j['timings']['compare_s']:.1f} s; first divergence "
+                                 f"{j['first_divergence']}"})
+            log(f"cli run {k + 1}: {wall:.1f} s ({rows[-1]['note']})")
+    return rows
+
+
 # -- report --------------------------------------------------------------------------------------------------
 def _gb(v):
     return "" if v is None else f"{v / GB:.2f} GB"
@@ -183,7 +228,7 @@ def carried_rows(path: Path, parts: set, small: bool) -> list:
     part is re-measured."""
     if small or not path.is_file():
         return []
-    skipped = {"tracing", "e2e", "cpu_ref"} - parts
+    skipped = {"tracing", "e2e", "cpu_ref", "cli"} - parts
     kind = lambda r: "cpu_ref" if "CPU" in r.get("what", "") and r["part"] == "e2e" else r["part"]  # noqa: E731
     return [r for r in json.loads(path.read_text())["rows"] if kind(r) in skipped]
 
@@ -202,7 +247,8 @@ def main(argv=None):
                                                     "level whose description contains this text (e.g. 'at birth'; several: 'a|b')")
     ap.add_argument("--only", default=None, help="run only the tracing levels whose description contains this "
                                                  "text ('a|b': either); nothing is recorded then (a partial run)")
-    ap.add_argument("--parts", default="tracing,e2e,cpu_ref", help="comma-separated subset of tracing,e2e,cpu_ref")
+    ap.add_argument("--parts", default="tracing,e2e,cpu_ref,cli",
+                    help="comma-separated subset of tracing,e2e,cpu_ref,cli")
     ap.add_argument("--time-budget-s", type=float, default=240, help="skip the CPU-reference estimate past this")
     args = ap.parse_args(argv)
     gpu_tracing.PROFILE, gpu_tracing.ONLY = args.profile, args.only
@@ -273,6 +319,12 @@ def main(argv=None):
                 rows.append(part_cpu_reference(model, prompt[:64].tolist(), 32, device, n_tok + n_gen))
             except Exception as exc:   # noqa: BLE001
                 rows.append(error_row("e2e", "reference sides on the CPU", exc))
+
+    if "cli" in parts:                 # last: it drops this process's device weights
+        try:
+            rows += part_cli(model, prompt.tolist(), n_gen, e2e_ub, ref_device, device)
+        except Exception as exc:       # noqa: BLE001
+            rows.append(error_row("cli", "mamba-debug compare on a saved folder", exc))
 
     for r in rows:
         r.setdefault("date", TODAY)

@@ -78,10 +78,10 @@ class Model:
                 # the float32 references' copy on this device, cloned there: the same bits (one rounding of the same
                 # masters), tensors of its own (a device side never shares a weight tensor with a reference), and no
                 # second upload of the float64 masters (a 2.8B model: ~3 s of a first comparison)
-                self._cast[backend.key] = {k: v.clone() for k, v in refs[0].items()}
+                self._cast[backend.key] = once_per_tensor(refs[0], torch.Tensor.clone)
             else:
-                self._cast[backend.key] = {k: v.to(device=backend.device, dtype=backend.dtype)
-                                           for k, v in self.params.items()}
+                self._cast[backend.key] = once_per_tensor(
+                    self.params, lambda v: v.to(device=backend.device, dtype=backend.dtype))
         return self._cast[backend.key], False
 
     def _narrowed(self, device) -> tuple:
@@ -90,13 +90,12 @@ class Model:
         so the check costs no transfer of its own). Only the float64 reference uploads those masters again."""
         key = ("narrowed", str(device))
         if key not in self._cast:
-            narrow, wide = {}, set()
-            for k, v in self.params.items():
+            def upload(v):
                 g = v.to(device)
-                narrow[k] = g.to(torch.float32)
-                if v.dtype == torch.float64 and not torch.equal(narrow[k].to(torch.float64), g):
-                    wide.add(k)
-            self._cast[key] = (narrow, frozenset(wide))
+                n = g.to(torch.float32)
+                return n, v.dtype == torch.float64 and not torch.equal(n.to(torch.float64), g)
+            both = once_per_tensor(self.params, upload)
+            self._cast[key] = ({k: n for k, (n, _) in both.items()}, frozenset(k for k, (_, w) in both.items() if w))
         return self._cast[key]
 
     @property
@@ -138,6 +137,13 @@ class Model:
 
 
 MambaModel = Model     # the name before the restructure
+
+
+def once_per_tensor(params: dict, fn) -> dict:
+    """{name: fn(tensor)} with fn called once per distinct tensor: names that share one (tied embeddings: `embed`
+    and `lm_head`) share its result, as they share the master (one upload and one copy on a GPU, not two)."""
+    done: dict = {}
+    return {k: done[id(v)] if id(v) in done else done.setdefault(id(v), fn(v)) for k, v in params.items()}
 
 
 def check_tokens(tokens, vocab_size: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -10,8 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mamba_debug as md
+from mamba_debug.arch import param_shapes
 from mamba_debug.errors import CheckpointError, MambaDebugError
 from mamba_debug.io import save_hf
+from mamba_debug.io.weights import check_params
 
 from conftest import random_model
 
@@ -80,6 +83,23 @@ def test_non_finite_weights(hf_dir, bad):
     save_file(sd, str(hf_dir / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"mixer\.D holds 1 NaN/Inf"):
         md.load_model(hf_dir)
+
+
+@pytest.mark.parametrize("values,match", [((-math.inf,), "holds 1 NaN/Inf"), ((math.nan, math.inf), "holds 2 NaN/Inf"),
+                                          ((1e39,), r"holds values beyond float32's range .*up to 1e\+39"),
+                                          ((-2e39, 1e39), r"holds values beyond float32's range .*up to 2e\+39")])
+def test_check_params_values(values, match):
+    """One min/max pass finds each bad value wherever it lies (fresh random place, float64 masters from a float64
+    file: the only source whose finite values can pass float32's range); a clean tensor passes unchanged."""
+    cfg = random_model().config
+    params = {k: torch.randn(shape, dtype=torch.float64) for k, shape in param_shapes(cfg).items()}
+    kept = check_params(cfg, dict(params), "f")
+    assert all(torch.equal(kept[k], v) for k, v in params.items())
+    flat = params["layers.1.in_proj"].view(-1)
+    for v, i in zip(values, torch.randperm(flat.numel())[:len(values)].tolist()):
+        flat[i] = v
+    with pytest.raises(CheckpointError, match=r"f: tensor layers\.1\.in_proj " + match):
+        check_params(cfg, params, "f")
 
 
 @pytest.mark.parametrize("patch,word", [({"model_type": "bamba", "architectures": ["BambaForCausalLM"]}, "Bamba"),

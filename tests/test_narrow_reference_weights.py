@@ -75,6 +75,22 @@ def test_shipped_checkpoints_keep_only_A_in_float64(monkeypatch):
     assert widen and {k.split(".")[-1] for k, v in stored.items() if v.dtype == torch.float64} == {"A"}
 
 
+def test_tied_embeddings_stay_one_tensor(monkeypatch):
+    """A tied checkpoint's embed and lm_head are one master, one float32 copy and one device clone (a 2.8B model's
+    1 GB float64 master and 0.5 GB a float32 copy, not twice), and the head reads the same bits."""
+    from mamba_debug.backends import device_backend
+    from mamba_debug.io.load import load_model
+    from mamba_debug.shipped import shipped_dir
+    monkeypatch.setattr(model_mod, "NARROW_FLOAT64_ON", ("cpu",))
+    m = load_model(shipped_dir("data") / "tiny-mamba")
+    assert m.config.tie_embeddings and m.params["embed"] is m.params["lm_head"]
+    for backend in (reference_backend("cpu"), cpu_backend("cpu"), device_backend("torch", "cpu")):
+        stored = m.stored_weights(backend)[0]
+        assert stored["embed"] is stored["lm_head"], backend.name
+    assert m.stored_weights(device_backend("torch", "cpu"))[0]["embed"].data_ptr() != m.stored_weights(
+        cpu_backend("cpu"))[0]["embed"].data_ptr()
+
+
 def test_a_device_side_clones_the_references_float32_copy(monkeypatch):
     """On a GPU whose references hold a float32 copy, a device back-end's weights are that copy cloned on the device
     (no second upload): the same bits as casting the masters, never the same tensors."""

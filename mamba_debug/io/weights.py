@@ -6,6 +6,8 @@ any missing tensor, wrong shape or non-finite value and returns float64 masters.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..arch import param_shapes
@@ -24,20 +26,31 @@ def check_params(cfg: ModelConfig, params: dict[str, torch.Tensor], source: str,
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensor(s) {shown}{more}. The file is incomplete or not a "
                               f"Mamba-1 checkpoint of the shape config describes.")
-    out = {}
+    out, seen = {}, {}
     for key, shape in shapes.items():
         t = params[key]
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{source}: tensor {names.get(key, key)} has shape {list(t.shape)} but the config "
                                   f"implies {list(shape)}. Check config.json against the weights.")
-        t = t.detach().to(torch.float64)
-        if not torch.isfinite(t).all():
-            bad = (~torch.isfinite(t)).sum().item()
-            raise CheckpointError(f"{source}: tensor {names.get(key, key)} holds {bad} NaN/Inf value(s); "
-                                  f"the checkpoint is corrupt (re-export or re-download it).")
-        if t.abs().max() > torch.finfo(torch.float32).max if t.numel() else False:
-            raise CheckpointError(f"{source}: tensor {names.get(key, key)} holds values beyond float32's range "
-                                  f"(|x| > 3.4e38, up to {t.abs().max().item():.3g}); the float32 sides run it in "
-                                  f"float32, where it becomes Inf. The checkpoint is corrupt or scaled wrongly.")
-        out[key] = t
+        if id(t) not in seen:       # tied embeddings: one master for both names, widened and checked once
+            seen[id(t)] = t.detach().to(torch.float64)
+            _check_values(seen[id(t)], f"{source}: tensor {names.get(key, key)}")
+        out[key] = seen[id(t)]
     return out
+
+
+def _check_values(t: torch.Tensor, what: str):
+    """NaN/Inf and float32's range, from one min/max pass over the float64 master: NaN propagates into both, an Inf
+    into one, and max(-min, max) is the largest magnitude. `isfinite(t).all()` and `abs().max()` made two full-size
+    temporaries and took ~7 s of a 2.8B checkpoint's load (issue #18 goal 2, measured 2026-12-05)."""
+    if not t.numel():
+        return
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        bad = (~torch.isfinite(t)).sum().item()
+        raise CheckpointError(f"{what} holds {bad} NaN/Inf value(s); the checkpoint is corrupt (re-export or "
+                              f"re-download it).")
+    if max(-lo, hi) > torch.finfo(torch.float32).max:
+        raise CheckpointError(f"{what} holds values beyond float32's range (|x| > 3.4e38, up to {max(-lo, hi):.3g}); "
+                              f"the float32 sides run it in float32, where it becomes Inf. The checkpoint is corrupt "
+                              f"or scaled wrongly.")
