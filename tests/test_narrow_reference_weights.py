@@ -77,7 +77,7 @@ def test_shipped_checkpoints_keep_only_A_in_float64(monkeypatch):
 
 def test_tied_embeddings_stay_one_tensor(monkeypatch):
     """A tied checkpoint's embed and lm_head are one master, one float32 copy and one device clone (a 2.8B model's
-    1 GB float64 master and 0.5 GB a float32 copy, not twice), and the head reads the same bits."""
+    1 GB float64 master and 0.5 GB a float32 copy, not twice); the device's clone is still its own."""
     from mamba_debug.backends import device_backend
     from mamba_debug.io.load import load_model
     from mamba_debug.shipped import shipped_dir
