@@ -37,6 +37,11 @@ def goals() -> list:
         if best:
             out.append(("2 2.8B x 2048 compare, time (H200, warm)", best["seconds"], 20, "s", best.get("date")))
             out.append(("2 2.8B x 2048 compare, GPU memory", best["peak_gpu_bytes"] / 1e9, 48, "GB", best.get("date")))
+        cli = [r for r in rows if r["part"] == "cli" and "first in its process" in r.get("what", "")]
+        if cli:         # gpu_e2e.py's cli part: `mamba-debug compare` on a saved folder, the worst of its runs
+            worst = max(cli, key=lambda r: r["seconds"])
+            out.append(("2 the same, the whole command first in its process", worst["seconds"], 20, "s",
+                        worst.get("date")))
     eng = _load("engine_cpu.json")
     if eng:
         for r in eng["rows"]:
