@@ -115,6 +115,15 @@ class AtBirthBesideFirst(AtBirth):
     beside, side_priority = True, -1
 
 
+class AtBirthHeld(AtBirth):
+    """AtBirth with more device sites waiting before a measurement (`Capture.held_cap`): fewer measurements, each
+    with more pairs for the same fixed host work (a plan's signature, its result blocks, a combine launch)."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.held_cap = cap
+
+
 def waiting(capture) -> str:
     """Which sites a measurement takes (an engine before 2026-12-05 measured each layer as the next one started)."""
     cap = getattr(capture, "held_cap", None)
@@ -152,6 +161,9 @@ def tracing_levels(dev) -> list[dict]:
         {**level, "what": "capture='metrics' device half, at birth on a side stream ahead of the run's (CUDA "
                           "priority -1)", "cuda_only": True,
          "tap": first, "after": first.take, "keep": first},
+        *({**level, "what": f"capture='metrics' device half, at birth with {waiting(held)} (the engine waits "
+                            f"{_Capture.held_cap / 2**30:g} GiB)", "cuda_only": True,
+           "tap": held, "after": held.take, "keep": held} for held in (AtBirthHeld(2 << 30), AtBirthHeld(4 << 30))),
         {**level, "what": "keep resid, y_scan (every layer) and logits on the device for the whole prefill",
          "tap": Tap(keep, {"resid", "y_scan", "logits"}), "keep": keep},
         {**level, "what": f"per-token SSM states (states_out) to {host}", "tap": Tap(states, {"ssm_state"}),
