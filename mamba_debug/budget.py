@@ -6,7 +6,7 @@ a real kept trace to the byte.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -33,35 +33,54 @@ def _end_states(cfg: ModelConfig) -> list:
     return [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if not spec.per_token]
 
 
-def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int) -> int:
-    """GPU bytes of a comparison whose reference sides run on the GPU: float32 and float64 weights, one ubatch of
-    captured sites for the three runners, the float64 metric scratch of the largest site (the per-token states)
-    and the logits kept for perplexity. (2.8B shape, ubatch 256, 2052 tokens: 72.7 GB estimated, 72.7 GB
-    measured on an H200, benchmarks/results/gpu_e2e.md.)"""
-    params = sum(math.prod(shape) for shape in param_shapes(cfg).values())
-    scratch = 8 * n_seqs * ubatch * max(site_elements(cfg).values()) * 8
+# Calibration of the GPU estimate below on a 2.8B-shaped Mamba-1 (2048+4 tokens, capture metrics, an H100,
+# 2026-12-05): peaks of 35.87, 47.23 and 69.71 GB at ubatch 64, 128 and 256, i.e. 0.176 GB a token on top of
+# ~24.6 GB. The captures account for 0.140 GB a token; the rest, ~56 float64 copies of the largest site a token,
+# is the float64 scans' and metrics' working memory. The float64 reference widens one block's or the head's weights
+# at a time where it uses them.
+WORKING_COPIES = 56
+
+
+def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
+                         wide_elements: Optional[int] = None) -> int:
+    """GPU bytes of a comparison whose reference sides run on the GPU. Weights: the device's float32 copy, the float32
+    references' copy (which the float64 reference shares for every weight that is a float32 value) and a float64 copy
+    of the `wide_elements` that are not (None: all of them, the bound before the weights are looked at); one ubatch
+    of captured sites for the three runners and the float64 working memory; the logits kept for perplexity."""
+    shapes = param_shapes(cfg)
+    stored = {k: math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings)}
+    params = sum(stored.values())
+    wide = params if wide_elements is None else wide_elements
+    block = max(sum(n for k, n in stored.items() if k.startswith(f"layers.{i}.")) for i in range(cfg.n_layer))
+    widened = 8 * (block + max(stored.values()))
+    working = WORKING_COPIES * n_seqs * ubatch * max(site_elements(cfg).values()) * 8
     logits = 2 * n_seqs * n_tok * cfg.vocab_size * 4
-    return params * (4 + 8) + ubatch_capture_bytes(cfg, ubatch, n_seqs) + scratch + logits
+    return params * (4 + 4) + wide * 8 + widened + ubatch_capture_bytes(cfg, ubatch, n_seqs) + working + logits
 
 
-def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: Optional[float] = None):
-    """Refuse, before loading anything, a ubatch whose GPU working set would not fit (reference sides on the GPU)."""
+def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: Optional[float] = None,
+                     count_wide: Optional[Callable[[], int]] = None):
+    """Refuse, before loading anything, a ubatch whose GPU working set would not fit (reference sides on the GPU).
+    count_wide: how many weight elements are not float32 values (a pass over the weights, taken only when the bound
+    that counts all of them as such does not fit)."""
     if s.ref_device != "cuda":
         return
     if total_bytes is None:
         total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     per_seq = lambda u: max(1, u // s.n_seqs)  # noqa: E731 (-ub counts tokens across the sequences)
-    need = comparison_gpu_bytes(cfg, per_seq(s.ubatch), s.n_seqs, n_tok)
-    if need <= 0.9 * total_bytes:
+    need = lambda u, wide: comparison_gpu_bytes(cfg, per_seq(u), s.n_seqs, n_tok, wide)  # noqa: E731
+    wide = None
+    if need(s.ubatch, None) > 0.9 * total_bytes and count_wide is not None:
+        wide = count_wide()
+    if need(s.ubatch, wide) <= 0.9 * total_bytes:
         return
-    fits = next((u for u in FITTING_UBATCHES
-                 if u < s.ubatch and comparison_gpu_bytes(cfg, per_seq(u), s.n_seqs, n_tok) <= 0.9 * total_bytes), None)
-    fix = (f"use --ubatch {fits} (about {comparison_gpu_bytes(cfg, per_seq(fits), s.n_seqs, n_tok) / 1e9:.0f} GB)"
-           if fits
-           else "the weights alone do not fit: use --ref-device cpu")
-    raise MambaDebugError(f"with the reference sides on the GPU, ubatch {s.ubatch} needs about {need / 1e9:.0f} GB "
-                          f"of GPU memory (weights in float32 and float64, every site of one ubatch for the three "
-                          f"runners), over 90% of the {total_bytes / 1e9:.0f} GB there: {fix}")
+    fits = next((u for u in FITTING_UBATCHES if u < s.ubatch and need(u, wide) <= 0.9 * total_bytes), None)
+    fix = f"use --ubatch {fits} (about {need(fits, wide) / 1e9:.0f} GB)" if fits \
+        else "the weights alone do not fit: use --ref-device cpu"
+    raise MambaDebugError(f"with the reference sides on the GPU, ubatch {s.ubatch} needs about "
+                          f"{need(s.ubatch, wide) / 1e9:.0f} GB of GPU memory (weights in float32 and float64, every "
+                          f"site of one ubatch for the three runners), over 90% of the {total_bytes / 1e9:.0f} GB "
+                          f"there: {fix}")
 
 
 def check_budget(cfg: ModelConfig, s: RunSettings, n_tok: int):

@@ -61,7 +61,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     check_host_memory(cfg, s, tokens.shape[1] + s.n_gen)
     ref_device = resolve_ref_device(s.ref_device)
     if ref_device.type == "cuda":
-        check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen)
+        check_gpu_memory(cfg, s, tokens.shape[1] + s.n_gen, count_wide=model.wide_elements)
     t0 = time.perf_counter()
     groups = s.seq_groups(tokens.shape[0])
     shared = lambda a, b: SharedReference(_cache_for(ref_cache, model, tokens[a:b], s))  # noqa: E731

@@ -98,6 +98,15 @@ class Model:
             self._cast[key] = ({k: n for k, (n, _) in both.items()}, frozenset(k for k, (_, w) in both.items() if w))
         return self._cast[key]
 
+    def wide_elements(self) -> int:
+        """Elements of the weights (a tied tensor once) that are not float32 values: what the float64 reference keeps
+        in float64 on a GPU (`_narrowed`). A pass over every master on the host, taken only when the GPU estimate
+        that counts every weight as such does not fit (`budget.check_gpu_memory`)."""
+        def wide(v):
+            return v.numel() if v.dtype == torch.float64 and not torch.equal(v.to(torch.float32).to(v.dtype), v) else 0
+        return sum({id(v): n for v, n in zip(self.params.values(), once_per_tensor(self.params, wide).values())}
+                   .values())
+
     @property
     def sites(self) -> tuple:
         return all_sites(self.config)

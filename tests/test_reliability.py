@@ -130,6 +130,32 @@ def test_reference_that_becomes_nan_is_reported_with_layer_and_site(how):
             run_sweep(m, [1, 2, 3], s, offloads=[0, 2], ubatches=[1, 3], progress=False, workers=1)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the multi-tensor path runs on a GPU"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nan_or_inf_anywhere_in_a_reference_ubatch_is_seen(device, dtype):
+    """One bad value at a fresh random place (a contiguous site, a transposed view or the logits) among sites of
+    awkward shapes and an empty one; clean sites pass, and so do float64 values whose sum overflows."""
+    from mamba_debug.refcheck import all_finite, check_reference
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=dtype).to(device)   # noqa: E731
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        sites = {(i, "x"): (rand(3, 7 + i), True) for i in range(5)}
+        sites[(5, "t")] = (rand(5, 3).t(), True)
+        sites[(6, "e")] = (rand(0, 4), False)
+        logits = rand(3, 11)
+        assert all_finite([v for v, _ in sites.values()] + [logits])
+        k = int(torch.randint(0, 7, (), generator=g))
+        target = logits if k == 6 else sites[list(sites)[k]][0]
+        target[tuple(int(torch.randint(0, n, (), generator=g)) for n in target.shape)] = bad
+        assert not all_finite([v for v, _ in sites.values()] + [logits]), (bad, k)
+        with pytest.raises(NonFiniteReference, match="logits" if k == 6 else f"layer {list(sites)[k][0]}"):
+            check_reference("ref32", "test", sites, logits, 0, list(sites))
+    if dtype == torch.float64:
+        huge = {(0, "x"): (torch.full((4,), 1e308, dtype=dtype, device=device), True)}
+        check_reference("ref64", "test", huge, rand(2, 3), 0, [(0, "x")])
+
+
 @pytest.mark.parametrize("k", [float("nan"), float("inf"), 1.0, -3])
 def test_k_floor_must_be_finite_and_above_one(k):
     with pytest.raises(MambaDebugError, match="k-floor"):
