@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .arch import layer_site_elements, layer_sites, layer_type, param_shapes, site_elements
+from .arch import layer_site_elements, layer_sites, layer_type, param_shapes, site_elements, working_elements
 from .config import ModelConfig
 from .errors import MambaDebugError
 from .settings import RunSettings
@@ -33,29 +33,31 @@ def _end_states(cfg: ModelConfig) -> list:
     return [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if not spec.per_token]
 
 
-# Calibration of the GPU estimate below on a 2.8B-shaped Mamba-1 (2048+4 tokens, capture metrics, an H100,
-# 2026-12-05): peaks of 35.87, 47.23 and 69.71 GB at ubatch 64, 128 and 256, i.e. 0.176 GB a token on top of
-# ~24.6 GB. The captures account for 0.140 GB a token; the rest, ~56 float64 copies of the largest site a token,
-# is the float64 scans' and metrics' working memory. The float64 reference widens one block's or the head's weights
-# at a time where it uses them.
-WORKING_COPIES = 56
-
-
 def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
                          wide_elements: Optional[int] = None) -> int:
     """GPU bytes of a comparison whose reference sides run on the GPU. Weights: the device's float32 copy, the float32
     references' copy (which the float64 reference shares for every weight that is a float32 value) and a float64 copy
-    of the `wide_elements` that are not (None: all of them, the bound before the weights are looked at); one ubatch
-    of captured sites for the three runners and the float64 working memory; the logits kept for perplexity."""
+    of the `wide_elements` that are not (None: all of them, the bound before the weights are looked at); while the
+    float64 reference runs a block or the head, that block's weights widened. One ubatch of captured sites for the
+    three runners, the float64 working memory of the reference runs and metrics (`arch.working_elements`, measured
+    per layer type), attention's KV caches in each runner, and the logits kept for perplexity. Within 1% of the
+    peaks of a 2.8B Mamba-1 at ubatch 64-256; 8-26% over a Mamba-2's and a hybrid's (tests/test_engine.py)."""
     shapes = param_shapes(cfg)
     stored = {k: math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings)}
     params = sum(stored.values())
     wide = params if wide_elements is None else wide_elements
     block = max(sum(n for k, n in stored.items() if k.startswith(f"layers.{i}.")) for i in range(cfg.n_layer))
     widened = 8 * (block + max(stored.values()))
-    working = WORKING_COPIES * n_seqs * ubatch * max(site_elements(cfg).values()) * 8
+    working = n_seqs * ubatch * working_elements(cfg) * 8
+    caches = n_seqs * n_tok * sum(math.prod(spec.shape(cfg)[1:]) for spec in _grown_states(cfg)) * (4 + 4 + 8)
     logits = 2 * n_seqs * n_tok * cfg.vocab_size * 4
-    return params * (4 + 4) + wide * 8 + widened + ubatch_capture_bytes(cfg, ubatch, n_seqs) + working + logits
+    return params * (4 + 4) + wide * 8 + widened + ubatch_capture_bytes(cfg, ubatch, n_seqs) + working + caches \
+        + logits
+
+
+def _grown_states(cfg: ModelConfig) -> list:
+    """The states that grow a row a token (attention's KV caches), over every layer."""
+    return [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if spec.grows]
 
 
 def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: Optional[float] = None,

@@ -429,15 +429,25 @@ def test_capture_copies_values_and_keeps_them_where_asked():
 
 def test_gpu_reference_refuses_a_ubatch_that_cannot_fit():
     """2.8B shape with the reference sides on the GPU: the estimate within 2% of the peaks measured on an H100
-    (weights float32 values but A, as a transformers checkpoint loads); ubatch 512 fits 141 GB (an H200), not 80 GB,
-    and the error names the largest ubatch that does. The weights are counted only when the bound that takes every
-    one as float64-valued does not fit. Checked before any weight is touched, so it runs without a GPU."""
+    (weights float32 values but A, as a transformers checkpoint loads), within 4% for a Mamba-2 and a hybrid;
+    ubatch 512 fits 141 GB (an H200), not 80 GB, and the error names the largest ubatch that does. The weights are
+    counted only when the bound that takes every one as float64-valued does not fit. Checked before any weight is
+    touched, so it runs without a GPU."""
     from mamba_debug.budget import check_gpu_memory, comparison_gpu_bytes
     from mamba_debug.config import MambaConfig
     cfg = MambaConfig(d_model=2560, n_layer=64, d_inner=5120, d_state=16, d_conv=4, dt_rank=160, vocab_size=50280)
     a_elements = 64 * 5120 * 16
     for ub, measured in ((64, 35.87e9), (128, 47.23e9), (256, 69.71e9)):    # benchmarks/README.md, 2026-12-05
         assert abs(comparison_gpu_bytes(cfg, ub, 1, 2052, a_elements) / measured - 1) < 0.02
+    mamba2 = MambaConfig(d_model=2048, n_layer=48, vocab_size=50280, d_state=128, layer_types=("mamba2",) * 48,
+                         head_dim=64)
+    hybrid = MambaConfig(d_model=1536, n_layer=40, vocab_size=49160, d_state=128, head_dim=64, n_heads=48,
+                         layer_types=tuple("attention" if i % 10 == 5 else "mamba2" for i in range(40)),
+                         n_attn_heads=12, n_kv_heads=4, d_ff=512)
+    for other, wide, peaks in ((mamba2, 48 * 64, (20.96e9, 29.70e9, 46.89e9)),       # 256+2 tokens, an H100
+                               (hybrid, 36 * 48, (11.86e9, 16.82e9, 26.80e9))):
+        for ub, measured in zip((16, 32, 64), peaks):
+            assert abs(comparison_gpu_bytes(other, ub, 1, 258, wide) / measured - 1) < 0.04
     counted = []
     count = lambda: counted.append(1) or a_elements       # noqa: E731
     check_gpu_memory(cfg, CompareSettings(ubatch=64, ref_device="cuda"), 2052, total_bytes=141e9, count_wide=count)

@@ -62,6 +62,12 @@ def site_elements(cfg: ModelConfig) -> dict:
     return {**out, "final_norm": cfg.d_model, "logits": cfg.vocab_size}
 
 
+def working_elements(cfg: ModelConfig) -> int:
+    """Float64 elements a token that a comparison's reference runs and metrics hold at their peak: the most any
+    layer type of the model asks (its `working_copies` of its largest site)."""
+    return max(lt.working_copies * max(lt.site_elements(cfg).values()) for lt in _distinct_types(cfg))
+
+
 def model_ops(cfg: ModelConfig) -> tuple:
     """Every op name a model of this config calls (its layer types' and the head's), in first-use order."""
     out = {}
@@ -76,4 +82,5 @@ def layer_site_elements(cfg: ModelConfig) -> list:
 
 
 __all__ = ["LAYER_TYPES", "MODEL_SITES", "LayerContext", "LayerType", "SiteKey", "StateSpec", "all_sites",
-           "layer_site_elements", "layer_sites", "layer_type", "model_ops", "param_shapes", "site_elements", "site_order"]
+           "layer_site_elements", "layer_sites", "layer_type", "model_ops", "param_shapes",
+           "site_elements", "site_order", "working_elements"]

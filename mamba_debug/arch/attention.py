@@ -23,6 +23,7 @@ class Attention:
     states = (StateSpec("k_cache", lambda c: (0, c.n_kv_heads, c.attn_head_dim), grows=True),
               StateSpec("v_cache", lambda c: (0, c.n_kv_heads, c.attn_head_dim), grows=True))
     ops = ("rms_norm", "linear", "silu", "attention")
+    working_copies = 8      # not measured alone (its largest site is small); the hybrid's peaks are Mamba-2's
 
     def param_shapes(self, cfg: ModelConfig) -> dict:
         E, Hq, Hk, Dh = cfg.d_model, cfg.n_attn_heads, cfg.n_kv_heads, cfg.attn_head_dim

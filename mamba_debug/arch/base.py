@@ -52,6 +52,9 @@ class LayerType(Protocol):
     sites: tuple                                # graph order: the public vocabulary of traces and reports
     states: tuple                               # StateSpecs
     ops: tuple                                  # op names it calls; each has its contract in ops.py
+    working_copies: int                         # float64 copies of its largest site a token that a comparison's
+                                                # reference runs and metrics hold at their peak (measured on a GPU:
+                                                # budget.comparison_gpu_bytes)
 
     # optional: for_config(cfg) -> the variant a config needs (Mamba-2 with or without the shared feed-forward);
     # `arch.layer_type` calls it, so sites may depend on the config
