@@ -41,7 +41,7 @@ def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
     float64 reference runs a block or the head, that block's weights widened. One ubatch of captured sites for the
     three runners, the float64 working memory of the reference runs and metrics (`arch.working_elements`, measured
     per layer type), attention's KV caches in each runner, and the logits kept for perplexity. Within 1% of the
-    peaks of a 2.8B Mamba-1 at ubatch 64-256; 8-26% over a Mamba-2's and a hybrid's (tests/test_engine.py)."""
+    peaks of a 2.8B Mamba-1 at ubatch 64-256, within 4% of a Mamba-2's and a hybrid's (tests/test_engine.py)."""
     shapes = param_shapes(cfg)
     stored = {k: math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings)}
     params = sum(stored.values())
@@ -62,7 +62,7 @@ def _grown_states(cfg: ModelConfig) -> list:
 
 def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: Optional[float] = None,
                      count_wide: Optional[Callable[[], int]] = None):
-    """Refuse, before loading anything, a ubatch whose GPU working set would not fit (reference sides on the GPU).
+    """Refuse, before anything is uploaded, a ubatch whose GPU working set would not fit (reference sides on the GPU).
     count_wide: how many weight elements are not float32 values (a pass over the weights, taken only when the bound
     that counts all of them as such does not fit)."""
     if s.ref_device != "cuda":

@@ -59,8 +59,9 @@ class Model:
 
         On a GPU, the float64 reference keeps the float32 reference's copy of every master that is a float32 value
         (every tensor a checkpoint stores: f32, f16 and bf16 widen exactly) and a float64 copy of the others (A =
-        -exp(A_log), computed in float64 from a transformers checkpoint): ~12 bytes per parameter on the GPU instead
-        of 20 (2.8B: 23 GB less). The Runner widens one block's weights at a time, which gives the same bits."""
+        -exp(A_log), computed in float64 from a transformers checkpoint): ~8 bytes a parameter on the GPU with the
+        device's own float32 copy, instead of 16 (2.8B: 22 GB less; `budget.comparison_gpu_bytes` counts it so, within
+        1% of the measured peaks). The Runner widens one block's weights at a time, which gives the same bits."""
         if backend.device.type in NARROW_FLOAT64_ON and backend.dtype in (torch.float32, torch.float64) \
                 and backend.name in ("cpu", "reference"):
             narrow, wide = self._narrowed(backend.device)
