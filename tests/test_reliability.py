@@ -247,6 +247,17 @@ def test_run_that_does_not_fit_is_refused_with_the_figure_and_a_setting_that_fit
         check_host_memory(cfg, RunSettings(n_seqs=5000), 40, available=8e9)
 
 
+def test_loaded_weights_are_not_counted_twice_against_the_memory_left():
+    """A 2.8B model loaded on a 64 GB host (23 GB of float64 masters, ~39 GB left) with the reference on the CPU and
+    the device on a GPU: the run adds ~18 GB at ubatch 16 and fits. Counting the resident masters again (and the tied
+    head twice) refused it at every ubatch; ubatch 512 (~144 GB of sites) is still refused, naming one that fits."""
+    from mamba_debug.config import MambaConfig
+    cfg = MambaConfig(d_model=2560, n_layer=64, d_inner=5120, d_state=16, d_conv=4, dt_rank=160, vocab_size=50280)
+    check_host_memory(cfg, RunSettings(ubatch=16, device="cuda"), 2052, available=39e9)
+    with pytest.raises(MambaDebugError, match=r"more memory .* --ubatch (16|32)\b"):
+        check_host_memory(cfg, RunSettings(ubatch=512, device="cuda"), 2052, available=39e9)
+
+
 @pytest.mark.parametrize("argv", [["sweep", "--ubatches", "5..2"], ["sweep", "--n-seqs-list", ","],
                                   ["compare", "--prompt", " "], ["compare", "--k-floor", "nan"],
                                   ["compare", "--layers", ","]])
