@@ -49,15 +49,15 @@ def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
     block = max(sum(n for k, n in stored.items() if k.startswith(f"layers.{i}.")) for i in range(cfg.n_layer))
     widened = 8 * (block + max(stored.values()))
     working = n_seqs * ubatch * working_elements(cfg) * 8
-    caches = n_seqs * n_tok * sum(math.prod(spec.shape(cfg)[1:]) for spec in _grown_states(cfg)) * (4 + 4 + 8)
     logits = 2 * n_seqs * n_tok * cfg.vocab_size * 4
-    return params * (4 + 4) + wide * 8 + widened + ubatch_capture_bytes(cfg, ubatch, n_seqs) + working + caches \
-        + logits
+    return params * (4 + 4) + wide * 8 + widened + ubatch_capture_bytes(cfg, ubatch, n_seqs) + working \
+        + cache_bytes(cfg, n_seqs, n_tok) + logits
 
 
-def _grown_states(cfg: ModelConfig) -> list:
-    """The states that grow a row a token (attention's KV caches), over every layer."""
-    return [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if spec.grows]
+def cache_bytes(cfg: ModelConfig, n_seqs: int, n_tok: int) -> int:
+    """The states that grow a row a token (attention's KV caches) over every layer, in the three runners."""
+    grown = [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if spec.grows]
+    return n_seqs * n_tok * sum(math.prod(spec.shape(cfg)[1:]) for spec in grown) * (4 + 4 + 8)
 
 
 def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: Optional[float] = None,
@@ -114,7 +114,7 @@ def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     copies of the weights (a tied tensor once) for the float32 reference and, unless it runs on the GPU, the device
     (the float64 masters are loaded already, so the memory available no longer counts them, and the float64 reference
     runs on them); one ubatch of sites for the three runners (twice: the runners' temporaries); the logits kept for
-    perplexity; the metrics of every site and token; the allocator's slack. Measured on the 2-core machine (16-32
+    perplexity; the metrics of every site and token; attention's KV caches; the allocator's slack. Measured on the 2-core machine (16-32
     layers, d_model 512-1024, ubatch 8-128, 1 and 4 sequences): the peak RSS a run added was 0.60-1.05x this."""
     shapes = param_shapes(cfg)
     params = sum(math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings))
@@ -123,7 +123,7 @@ def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     metrics = s.n_seqs * n_tok * n_sites * 8 * 6
     device_copy = 0 if s.device == "cuda" else 4          # the device side's own float32 weights (isolation)
     return params * (4 + device_copy) + 2 * ubatch_capture_bytes(cfg, ub, s.n_seqs) + 2 * s.n_seqs * n_tok * \
-        cfg.vocab_size * 8 + metrics + int(ALLOCATOR_SLACK)
+        cfg.vocab_size * 8 + metrics + cache_bytes(cfg, s.n_seqs, n_tok) + int(ALLOCATOR_SLACK)
 
 
 def _available_host_bytes() -> float:

@@ -462,6 +462,25 @@ def test_gpu_reference_refuses_a_ubatch_that_cannot_fit():
     check_gpu_memory(cfg, CompareSettings(ubatch=512), 2052, total_bytes=1e9)   # reference on the CPU: no check
 
 
+def test_memory_estimates_count_attention_caches_in_three_runners():
+    """A hybrid's KV caches grow with the prompt (k and v, Hk x Dh a token, float32 twice and float64 once); a
+    Mamba-only model's estimates grow only by the logits kept."""
+    from mamba_debug.arch import layer_site_elements
+    from mamba_debug.budget import comparison_gpu_bytes, host_bytes
+    from mamba_debug.config import MambaConfig
+    hybrid = MambaConfig(d_model=64, n_layer=6, vocab_size=100, d_state=8, head_dim=16,
+                         layer_types=("mamba2", "attention") * 3, n_attn_heads=4, n_kv_heads=2)
+    pure = MambaConfig(d_model=64, n_layer=6, vocab_size=100, d_state=8)
+    s = CompareSettings(ubatch=8)
+    for cfg, per_token in ((hybrid, 3 * 2 * 2 * 16 * (4 + 4 + 8)), (pure, 0)):
+        logits_gpu, logits_host = 2 * 100 * 4, 2 * 100 * 8
+        metrics = (sum(len(x) for x in layer_site_elements(cfg)) + 2) * 8 * 6
+        assert comparison_gpu_bytes(cfg, 8, 1, 1001) - comparison_gpu_bytes(cfg, 8, 1, 1) == 1000 * (
+            per_token + logits_gpu)
+        assert host_bytes(cfg, s.validated(cfg), 1009) - host_bytes(cfg, s.validated(cfg), 9) == 1000 * (
+            per_token + logits_host + metrics)
+
+
 def test_wide_elements_counts_the_weights_that_are_not_float32_values():
     """What the float64 reference keeps in float64 on a GPU: a tied tensor once, one odd value makes its tensor wide."""
     m = random_model(n_layer=2)
