@@ -114,8 +114,9 @@ def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     copies of the weights (a tied tensor once) for the float32 reference and, unless it runs on the GPU, the device
     (the float64 masters are loaded already, so the memory available no longer counts them, and the float64 reference
     runs on them); one ubatch of sites for the three runners (twice: the runners' temporaries); the logits kept for
-    perplexity; the metrics of every site and token; attention's KV caches; the allocator's slack. Measured on the 2-core machine (16-32
-    layers, d_model 512-1024, ubatch 8-128, 1 and 4 sequences): the peak RSS a run added was 0.60-1.05x this."""
+    perplexity; the metrics of every site and token; attention's KV caches; the allocator's slack. Measured on the
+    2-core machine (16-32 layers, d_model 512-1024, ubatch 8-128, 1 and 4 sequences): the peak RSS a run added was
+    0.60-1.05x this."""
     shapes = param_shapes(cfg)
     params = sum(math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings))
     ub = min(s.ubatch, n_tok)
@@ -124,6 +125,16 @@ def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     device_copy = 0 if s.device == "cuda" else 4          # the device side's own float32 weights (isolation)
     return params * (4 + device_copy) + 2 * ubatch_capture_bytes(cfg, ub, s.n_seqs) + 2 * s.n_seqs * n_tok * \
         cfg.vocab_size * 8 + metrics + cache_bytes(cfg, s.n_seqs, n_tok) + int(ALLOCATOR_SLACK)
+
+
+def workers_that_fit(cfg: ModelConfig, s: RunSettings, n_tok: int, available: Optional[float] = None) -> int:
+    """Sweep worker processes the host memory holds: each loads the float64 masters again (a tied tensor once) and
+    runs its cells (`host_bytes` of `s`, the grid's largest cell); the parent's copy is counted by the memory
+    available already. At least one (that one runs in the parent's memory, and `check_host_memory` judges it)."""
+    available = _available_host_bytes() if available is None else available
+    shapes = param_shapes(cfg)
+    masters = 8 * sum(math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings))
+    return max(1, int(0.8 * available // (masters + host_bytes(cfg, s, n_tok))))
 
 
 def _available_host_bytes() -> float:

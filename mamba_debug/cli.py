@@ -232,9 +232,12 @@ def cmd_sweep(args) -> int:
     from .sweep import Interrupted, auto_workers, run_sweep  # noqa: PLC0415
     guard_outputs(args, **{"--json": args.json, "--json (interrupted)": args.json and _incomplete_path(args.json)})
     model, ids = model_and_prompt(args)
-    workers = auto_workers(model, args.device) if args.workers is None else args.workers
+    base = settings_from(args)
+    largest = base.replace(ubatch=max(args.ubatches), n_seqs=max(args.n_seqs_list), capture="metrics")
+    workers = auto_workers(model, args.device, largest, len(ids) + base.n_gen) if args.workers is None \
+        else args.workers
     try:
-        sw = run_sweep(model, ids, settings_from(args), args.offloads, args.ubatches, args.n_seqs_list,
+        sw = run_sweep(model, ids, base, args.offloads, args.ubatches, args.n_seqs_list,
                        workers=workers, ray=args.ray)
     except Interrupted as stop:                # keep the finished cells, in a file of their own
         return _keep_partial(args, "sweep", stop)
@@ -361,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ubatches", type=_int_list, default="1,2,8,32", help="ubatch sizes (default 1,2,8,32)")
     p.add_argument("--n-seqs-list", type=_int_list, default="1", help="sequence counts (default 1)")
     p.add_argument("--workers", type=_int_at_least("--workers", 1), default=None,
-                   help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU)")
+                   help="processes (default: the cores, up to 4, when the kernels are interpreted on the CPU, and no "
+                        "more than the memory holds: each worker loads its own copy of the model)")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="each cell a Ray task: on the cluster at ADDRESS (auto: the running one), or on a Ray "
                         "started here when no ADDRESS is given (pip install ray)")

@@ -10,10 +10,12 @@ changes no bit: two offloads with the same device blocks are then one run, and t
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Optional
 
+from .budget import workers_that_fit
 from .compare import run_compare
 from .errors import MambaDebugError
 from .model import Model
@@ -151,11 +153,21 @@ def _same_as(cell: dict, offload: int, n_layer: int, base: RunSettings) -> dict:
     return out
 
 
-def auto_workers(model: Model, device: Optional[str]) -> int:
-    """Processes for a sweep: the cores, when the device side is interpreted on the CPU and the model reloadable."""
+def auto_workers(model: Model, device: Optional[str], largest: Optional[RunSettings] = None,
+                 n_tok: int = 0) -> int:
+    """Processes for a sweep: the cores (at most 4), when the device side is interpreted on the CPU and the model
+    reloadable; no more than the host memory holds with each worker's own copy of the model running `largest`
+    (the grid's largest cell), said on stderr when that is fewer."""
     if resolve_device(device) == "cuda" or not _reloadable(model):
         return 1
-    return max(1, min(os.cpu_count() or 1, 4))
+    cores = max(1, min(os.cpu_count() or 1, 4))
+    if largest is None:
+        return cores
+    fit = workers_that_fit(model.config, largest.validated(model.config), n_tok)
+    if fit < cores:
+        print(f"sweep: {fit} worker process(es), not {cores}: each loads its own copy of the model and runs its cells, "
+              f"and the host memory holds {fit} (--workers N sets the count)", file=sys.stderr)
+    return min(cores, fit)
 
 
 def _reloadable(model: Model) -> bool:

@@ -247,6 +247,25 @@ def test_run_that_does_not_fit_is_refused_with_the_figure_and_a_setting_that_fit
         check_host_memory(cfg, RunSettings(n_seqs=5000), 40, available=8e9)
 
 
+def test_a_parallel_sweep_starts_no_more_workers_than_the_memory_holds(folder, monkeypatch, capsys):
+    """Each worker loads its own copy of the model: with memory for two, an auto sweep starts two and says why; with
+    room for none beside the parent, one (judged by the run's own check)."""
+    import mamba_debug.budget as budget
+    from mamba_debug.io import load_model
+    from mamba_debug.sweep import auto_workers
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    model = load_model(folder)
+    largest = RunSettings(ubatch=32, device="cpu", capture="metrics")
+    one = budget.host_bytes(model.config, largest.validated(model.config), 40) + 8 * sum(
+        v.numel() for v in {id(v): v for v in model.params.values()}.values())
+    for room, expected in ((10 * one, 4), (2.6 * one / 0.8, 2), (0.5 * one, 1)):
+        monkeypatch.setattr(budget, "_available_host_bytes", lambda room=room: room)
+        assert auto_workers(model, "cpu", largest, 40) == expected
+        err = capsys.readouterr().err
+        assert (f"{expected} worker process(es), not 4" in err) == (expected < 4)
+    assert auto_workers(model, "cpu") == 4                  # no cell given: the cores
+
+
 def test_loaded_weights_are_not_counted_twice_against_the_memory_left():
     """A 2.8B model loaded on a 64 GB host (23 GB of float64 masters, ~39 GB left) with the reference on the CPU and
     the device on a GPU: the run adds ~18 GB at ubatch 16 and fits. Counting the resident masters again (and the tied
