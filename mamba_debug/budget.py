@@ -33,6 +33,11 @@ def _end_states(cfg: ModelConfig) -> list:
     return [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if not spec.per_token]
 
 
+def _stored_elements(cfg: ModelConfig) -> dict:
+    """Elements of each weight as stored: a tied head is the embedding's tensor, so it is left out."""
+    return {k: math.prod(v) for k, v in param_shapes(cfg).items() if not (k == "lm_head" and cfg.tie_embeddings)}
+
+
 def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
                          wide_elements: Optional[int] = None) -> int:
     """GPU bytes of a comparison whose reference sides run on the GPU. Weights: the device's float32 copy, the float32
@@ -42,8 +47,7 @@ def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
     three runners, the float64 working memory of the reference runs and metrics (`arch.working_elements`, measured
     per layer type), attention's KV caches in each runner, and the logits kept for perplexity. Within 1% of the
     peaks of a 2.8B Mamba-1 at ubatch 64-256, within 4% of a Mamba-2's and a hybrid's (tests/test_engine.py)."""
-    shapes = param_shapes(cfg)
-    stored = {k: math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings)}
+    stored = _stored_elements(cfg)
     params = sum(stored.values())
     wide = params if wide_elements is None else wide_elements
     block = max(sum(n for k, n in stored.items() if k.startswith(f"layers.{i}.")) for i in range(cfg.n_layer))
@@ -117,8 +121,7 @@ def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     perplexity; the metrics of every site and token; attention's KV caches; the allocator's slack. Measured on the
     2-core machine (16-32 layers, d_model 512-1024, ubatch 8-128, 1 and 4 sequences): the peak RSS a run added was
     0.60-1.05x this."""
-    shapes = param_shapes(cfg)
-    params = sum(math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings))
+    params = sum(_stored_elements(cfg).values())
     ub = min(s.ubatch, n_tok)
     n_sites = sum(len(x) for x in layer_site_elements(cfg)) + 2
     metrics = s.n_seqs * n_tok * n_sites * 8 * 6
@@ -132,8 +135,7 @@ def workers_that_fit(cfg: ModelConfig, s: RunSettings, n_tok: int, available: Op
     runs its cells (`host_bytes` of `s`, the grid's largest cell); the parent's copy is counted by the memory
     available already. At least one (that one runs in the parent's memory, and `check_host_memory` judges it)."""
     available = _available_host_bytes() if available is None else available
-    shapes = param_shapes(cfg)
-    masters = 8 * sum(math.prod(v) for k, v in shapes.items() if not (k == "lm_head" and cfg.tie_embeddings))
+    masters = 8 * sum(_stored_elements(cfg).values())
     return max(1, int(0.8 * available // (masters + host_bytes(cfg, s, n_tok))))
 
 
