@@ -120,13 +120,13 @@ def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     runs on them); one ubatch of sites for the three runners (twice: the runners' temporaries); the logits kept for
     perplexity; the metrics of every site and token; attention's KV caches; the allocator's slack. Measured on the
     2-core machine (16-32 layers, d_model 512-1024, ubatch 8-128, 1 and 4 sequences): the peak RSS a run added was
-    0.60-1.05x this."""
+    0.65-1.10x this."""
     params = sum(_stored_elements(cfg).values())
-    ub = min(s.ubatch, n_tok)
+    ub, seqs = min(s.ubatch_per_seq(), n_tok), s.seqs_per_ubatch()   # -ub counts tokens across the sequences
     n_sites = sum(len(x) for x in layer_site_elements(cfg)) + 2
     metrics = s.n_seqs * n_tok * n_sites * 8 * 6
     device_copy = 0 if s.device == "cuda" else 4          # the device side's own float32 weights (isolation)
-    return params * (4 + device_copy) + 2 * ubatch_capture_bytes(cfg, ub, s.n_seqs) + 2 * s.n_seqs * n_tok * \
+    return params * (4 + device_copy) + 2 * ubatch_capture_bytes(cfg, ub, seqs) + 2 * s.n_seqs * n_tok * \
         cfg.vocab_size * 8 + metrics + cache_bytes(cfg, s.n_seqs, n_tok) + int(ALLOCATOR_SLACK)
 
 

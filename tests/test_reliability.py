@@ -244,7 +244,16 @@ def test_gguf_header_with_a_huge_array_is_refused(tmp_path):
 def test_run_that_does_not_fit_is_refused_with_the_figure_and_a_setting_that_fits():
     cfg = random_model().config
     with pytest.raises(MambaDebugError, match=r"GB.*--n-seqs \d+"):
-        check_host_memory(cfg, RunSettings(n_seqs=5000), 40, available=8e9)
+        check_host_memory(cfg, RunSettings(n_seqs=5000), 40, available=1.5e9)   # ~1.6 GB: logits and metrics
+
+
+def test_host_estimate_splits_the_ubatch_over_the_sequences():
+    """-ub counts tokens across the sequences (llama.cpp's equal split): 4 sequences at -ub 32 or 35 hold 8 tokens
+    each in a ubatch, the same memory; at -ub 36, 9 each."""
+    from mamba_debug.budget import host_bytes
+    cfg = random_model().config
+    est = lambda ub: host_bytes(cfg, RunSettings(ubatch=ub, n_seqs=4).validated(cfg), 40)  # noqa: E731
+    assert est(32) == est(35) < est(36)
 
 
 def test_a_parallel_sweep_starts_no_more_workers_than_the_memory_holds(folder, monkeypatch, capsys):
