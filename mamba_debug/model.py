@@ -94,7 +94,7 @@ class Model:
             def upload(v):
                 g = v.to(device)
                 n = g.to(torch.float32)
-                return n, v.dtype == torch.float64 and not torch.equal(n.to(torch.float64), g)
+                return n, _wide(g, n)
             both = once_per_tensor(self.params, upload)
             self._cast[key] = ({k: n for k, (n, _) in both.items()}, frozenset(k for k, (_, w) in both.items() if w))
         return self._cast[key]
@@ -103,10 +103,8 @@ class Model:
         """Elements of the weights (a tied tensor once) that are not float32 values: what the float64 reference keeps
         in float64 on a GPU (`_narrowed`). A pass over every master on the host, taken only when the GPU estimate
         that counts every weight as such does not fit (`budget.check_gpu_memory`)."""
-        def wide(v):
-            return v.numel() if v.dtype == torch.float64 and not torch.equal(v.to(torch.float32).to(v.dtype), v) else 0
-        return sum({id(v): n for v, n in zip(self.params.values(), once_per_tensor(self.params, wide).values())}
-                   .values())
+        distinct = {id(v): v for v in self.params.values()}.values()
+        return sum(v.numel() for v in distinct if _wide(v, v.to(torch.float32)))
 
     @property
     def sites(self) -> tuple:
@@ -147,6 +145,12 @@ class Model:
 
 
 MambaModel = Model     # the name before the restructure
+
+
+def _wide(master: torch.Tensor, rounded: torch.Tensor) -> bool:
+    """Is this master not a float32 value (its float32 rounding `rounded` differs)? Such a weight the float64
+    reference keeps in float64 on a GPU."""
+    return master.dtype == torch.float64 and not torch.equal(rounded.to(torch.float64), master)
 
 
 def once_per_tensor(params: dict, fn) -> dict:
