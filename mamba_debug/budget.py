@@ -39,22 +39,24 @@ def _stored_elements(cfg: ModelConfig) -> dict:
 
 
 def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
-                         wide_elements: Optional[int] = None) -> int:
+                         wide_elements: Optional[int] = None, ubatch_seqs: Optional[int] = None) -> int:
     """GPU bytes of a comparison whose reference sides run on the GPU. Weights: the device's float32 copy, the float32
     references' copy (which the float64 reference shares for every weight that is a float32 value) and a float64 copy
     of the `wide_elements` that are not (None: all of them, the bound before the weights are looked at); while the
     float64 reference runs a block or the head, that block's weights widened. One ubatch of captured sites for the
     three runners, the float64 working memory of the reference runs and metrics (`arch.working_elements`, measured
     per layer type), attention's KV caches in each runner, and the logits kept for perplexity. Within 1% of the
-    peaks of a 2.8B Mamba-1 at ubatch 64-256, within 4% of a Mamba-2's and a hybrid's (tests/test_engine.py)."""
+    peaks of a 2.8B Mamba-1 at ubatch 64-256, within 4% of a Mamba-2's and a hybrid's (tests/test_engine.py).
+    ubatch: tokens of each sequence in one ubatch; ubatch_seqs: the sequences one ubatch holds (None: all n_seqs)."""
+    seqs = n_seqs if ubatch_seqs is None else ubatch_seqs
     stored = _stored_elements(cfg)
     params = sum(stored.values())
     wide = params if wide_elements is None else wide_elements
     block = max(sum(n for k, n in stored.items() if k.startswith(f"layers.{i}.")) for i in range(cfg.n_layer))
     widened = 8 * (block + max(stored.values()))
-    working = n_seqs * ubatch * working_elements(cfg) * 8
+    working = seqs * ubatch * working_elements(cfg) * 8
     logits = 2 * n_seqs * n_tok * cfg.vocab_size * 4
-    return params * (4 + 4) + wide * 8 + widened + ubatch_capture_bytes(cfg, ubatch, n_seqs) + working \
+    return params * (4 + 4) + wide * 8 + widened + ubatch_capture_bytes(cfg, ubatch, seqs) + working \
         + cache_bytes(cfg, n_seqs, n_tok) + logits
 
 
@@ -62,6 +64,12 @@ def cache_bytes(cfg: ModelConfig, n_seqs: int, n_tok: int) -> int:
     """The states that grow a row a token (attention's KV caches) over every layer, in the three runners."""
     grown = [spec for i in range(cfg.n_layer) for spec in layer_type(cfg, i).states if spec.grows]
     return n_seqs * n_tok * sum(math.prod(spec.shape(cfg)[1:]) for spec in grown) * (4 + 4 + 8)
+
+
+def _ubatch_split(s: RunSettings, n_tok: int) -> tuple:
+    """(tokens of each sequence, sequences) in one ubatch: -ub counts tokens across the sequences, and llama.cpp's
+    equal split puts at most -ub + 1 sequences in one (`RunSettings.seqs_per_ubatch`)."""
+    return min(s.ubatch_per_seq(), n_tok), s.seqs_per_ubatch()
 
 
 def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: Optional[float] = None,
@@ -73,8 +81,10 @@ def check_gpu_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, total_bytes: 
         return
     if total_bytes is None:
         total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    per_seq = lambda u: max(1, u // s.n_seqs)  # noqa: E731 (-ub counts tokens across the sequences)
-    need = lambda u, wide: comparison_gpu_bytes(cfg, per_seq(u), s.n_seqs, n_tok, wide)  # noqa: E731
+
+    def need(u: int, wide: Optional[int]) -> int:
+        ub, seqs = _ubatch_split(s.replace(ubatch=u), n_tok)
+        return comparison_gpu_bytes(cfg, ub, s.n_seqs, n_tok, wide, ubatch_seqs=seqs)
     wide = None
     if need(s.ubatch, None) > 0.9 * total_bytes and count_wide is not None:
         wide = count_wide()
@@ -122,7 +132,7 @@ def host_bytes(cfg: ModelConfig, s: RunSettings, n_tok: int) -> int:
     2-core machine (16-32 layers, d_model 512-1024, ubatch 8-128, 1 and 4 sequences): the peak RSS a run added was
     0.65-1.10x this."""
     params = sum(_stored_elements(cfg).values())
-    ub, seqs = min(s.ubatch_per_seq(), n_tok), s.seqs_per_ubatch()   # -ub counts tokens across the sequences
+    ub, seqs = _ubatch_split(s, n_tok)
     n_sites = sum(len(x) for x in layer_site_elements(cfg)) + 2
     metrics = s.n_seqs * n_tok * n_sites * 8 * 6
     device_copy = 0 if s.device == "cuda" else 4          # the device side's own float32 weights (isolation)

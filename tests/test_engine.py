@@ -462,6 +462,24 @@ def test_gpu_reference_refuses_a_ubatch_that_cannot_fit():
     check_gpu_memory(cfg, CompareSettings(ubatch=512), 2052, total_bytes=1e9)   # reference on the CPU: no check
 
 
+def test_gpu_check_counts_the_sequences_one_ubatch_holds():
+    """-ub 8 puts at most 9 sequences, a token each, in one ubatch (llama.cpp's equal split): 512 sequences of a 2.8B
+    need the working memory of 9 and the kept logits of 512, which fit an 80 GB card (the sites of 512 sequences at
+    once would not: 130 GB)."""
+    from mamba_debug.budget import check_gpu_memory, comparison_gpu_bytes
+    from mamba_debug.config import MambaConfig
+    cfg = MambaConfig(d_model=2560, n_layer=64, d_inner=5120, d_state=16, d_conv=4, dt_rank=160, vocab_size=50280)
+    wide = 64 * 5120 * 16
+    nine, all_at_once = comparison_gpu_bytes(cfg, 1, 9, 40, wide), comparison_gpu_bytes(cfg, 1, 512, 40, wide)
+    split = comparison_gpu_bytes(cfg, 1, 512, 40, wide, ubatch_seqs=9)
+    assert split - nine == (512 - 9) * 40 * 2 * cfg.vocab_size * 4 and all_at_once > 100e9 > 80e9 * 0.9 > split
+    check_gpu_memory(cfg, CompareSettings(ubatch=8, n_seqs=512, ref_device="cuda"), 40, total_bytes=80e9,
+                     count_wide=lambda: wide)
+    with pytest.raises(MambaDebugError, match=r"ubatch 8 needs about 34 GB .* over 90% of the 35 GB"):
+        check_gpu_memory(cfg, CompareSettings(ubatch=8, n_seqs=512, ref_device="cuda"), 40, total_bytes=35e9,
+                         count_wide=lambda: wide)
+
+
 def test_memory_estimates_count_attention_caches_in_three_runners():
     """A hybrid's KV caches grow with the prompt (k and v, Hk x Dh a token, float32 twice and float64 once); a
     Mamba-only model's estimates grow only by the logits kept."""
