@@ -5,6 +5,7 @@ a real kept trace to the byte.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Callable, Optional
 
@@ -158,6 +159,23 @@ def _available_host_bytes() -> float:
     except OSError:
         pass
     return math.inf
+
+
+def give_back_freed_heap() -> None:
+    """Hand the pages of freed blocks that glibc keeps back to the system (`malloc_trim`), else a process holds them
+    after a run and the next run's host check (MemAvailable) counts them as used: a 16-layer d_model 512 comparison on
+    the 2-core machine left 0.87 GB, 0.21 GB after this (30 ms; the next run not measurably slower). No-op where the
+    C library has no malloc_trim."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except (OSError, TypeError):            # no C library to open by that name (Windows)
+        return None
 
 
 def check_host_memory(cfg: ModelConfig, s: RunSettings, n_tok: int, available: Optional[float] = None):

@@ -22,7 +22,7 @@ import torch
 
 from .arch import model_ops
 from .backends import cpu_backend, cpu_threads_for, device_backends, reference_backend
-from .budget import check_budget, check_gpu_memory, check_host_memory
+from .budget import check_budget, check_gpu_memory, check_host_memory, give_back_freed_heap
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .gc_scope import young_only
 from .model import Model, Runner, check_tokens
@@ -73,6 +73,9 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
             close = getattr(sides["device"], "close", None)     # an engine's context and model (llama.cpp)
             if close is not None:
                 close()
+            del sides
+            if ref_cache is None:       # not a sweep's cell (a sweep keeps its reference sides for the next)
+                give_back_freed_heap()
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
 

@@ -286,6 +286,38 @@ def test_loaded_weights_are_not_counted_twice_against_the_memory_left():
         check_host_memory(cfg, RunSettings(ubatch=512, device="cuda"), 2052, available=39e9)
 
 
+def test_a_comparison_hands_the_freed_heap_back_and_a_sweep_cell_does_not(monkeypatch):
+    """What glibc keeps of a run's freed blocks is given back when a comparison ends (else the next run's host check
+    counts it as used); a sweep's cells keep it, since the next cell reuses it."""
+    import mamba_debug.compare as compare
+    calls = []
+    monkeypatch.setattr(compare, "give_back_freed_heap", lambda: calls.append(1))
+    m, s = random_model(), RunSettings(ubatch=4, device="cpu", capture="metrics")
+    run_compare(m, [1, 2, 3, 4, 5], s)
+    assert calls == [1]
+    run_compare(m, [1, 2, 3, 4, 5], s, ref_cache={})
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "malloc_trim"), reason="glibc's malloc_trim")
+def test_freed_heap_is_given_back_to_the_system():
+    """4000 freed 64 KB blocks below a live one (so the heap's top cannot shrink): glibc keeps their ~260 MB of pages
+    until they are handed back."""
+    from mamba_debug.budget import give_back_freed_heap
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    give_back_freed_heap()          # what earlier tests left resident would be reused below, and not counted
+    before = rss_mb()
+    blocks = [torch.ones(16384) for _ in range(4000)]
+    live = blocks[::16]
+    del blocks
+    kept = rss_mb() - before
+    give_back_freed_heap()
+    assert kept > 200 and rss_mb() - before < kept - 200 and len(live) == 250
+
+
 @pytest.mark.parametrize("argv", [["sweep", "--ubatches", "5..2"], ["sweep", "--n-seqs-list", ","],
                                   ["compare", "--prompt", " "], ["compare", "--k-floor", "nan"],
                                   ["compare", "--layers", ","]])
