@@ -27,7 +27,10 @@ def check_config_values(values: dict, keys: dict, source) -> None:
             raise CheckpointError(f"{source}: {keys.get(field, field)} must be an integer, found {v!r}")
         if not 1 <= v <= limit:
             raise CheckpointError(f"{source}: {keys.get(field, field)} = {v} is out of range (1..{limit}); the "
-                                  f"config is damaged or not a Mamba-1 model")
+                                  f"config is damaged")
+    for field in ("tie_embeddings", "conv_bias", "proj_bias"):
+        if field in values and not isinstance(values[field], bool):     # bool("false") is True
+            raise CheckpointError(f"{source}: {keys.get(field, field)} must be true or false, found {values[field]!r}")
     if "rms_eps" in values:
         eps = values["rms_eps"]
         ok = isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps)

@@ -164,3 +164,53 @@ def test_sweep_lists_are_checked_before_any_cell_runs(small_model, monkeypatch):
         r = _cli("sweep", "--workers", "1", *args)
         assert r.returncode == 2 and said in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr and "This is a bug" not in r.stderr
+
+
+def _shipped_with(tmp_path, name: str, **changes):
+    """A copy of a shipped model folder whose config.json has `changes` (None deletes a key: use DELETE)."""
+    import shutil
+    from mamba_debug.io.load import DATA_DIR
+    folder = shutil.copytree(DATA_DIR / name, tmp_path / name)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not DELETE}))
+    return folder
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("name, key, value, match", [
+    ("tiny-mamba", "architectures", 7, "architectures must be a list of class names"),
+    ("tiny-mamba", "tie_word_embeddings", "x", "tie_word_embeddings must be true or false, found 'x'"),
+    ("tiny-mamba", "hidden_act", "gelu", "supports 'silu' only"),
+    ("tiny-mamba2", "num_heads", None, "num_heads must be an integer, found None"),
+    ("tiny-mamba2", "layer_norm_epsilon", -1, r"layer_norm_epsilon = -1(\.0)?: the norm's epsilon must be"),
+    ("tiny-mamba2", "layer_norm_epsilon", math.nan, "layer_norm_epsilon must be a finite number"),
+    ("tiny-mamba2", "use_conv_bias", "false", "use_conv_bias must be true or false"),
+    ("tiny-mamba2", "num_hidden_layers", 10 ** 9, r"num_hidden_layers = 1000000000 is out of range"),
+    ("tiny-granite-hybrid", "layer_types", 7, "layer_types must name each of the 8 layers"),
+    ("tiny-granite-hybrid", "time_step_limit", 7, r"time_step_limit must be two numbers \[min, max\], found 7"),
+    ("tiny-granite-hybrid", "logits_scaling", 0, "logits_scaling must be positive"),
+    ("tiny-granite-hybrid", "num_attention_heads", 0, "n_attn_heads must be set"),
+    ("tiny-granite-hybrid", "mamba_d_state", None, "mamba_d_state must be an integer, found None"),
+])
+def test_a_damaged_config_value_is_named(tmp_path, name, key, value, match):
+    """Each of these crashed with a TypeError or ZeroDivisionError, or loaded as some other model (a string read as
+    true, a NaN epsilon, 'gelu' computed as silu), before the readers typed every value they use."""
+    folder = _shipped_with(tmp_path, name, **{key: value})
+    with pytest.raises(CheckpointError, match=match):
+        md.load_model(folder)
+
+
+def test_mamba2_weights_of_more_layers_than_the_config_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match=r"the weights hold layer\(s\) 7 but the config declares 7 layers"):
+        md.load_model(_shipped_with(tmp_path, "tiny-mamba2", num_hidden_layers=7))
+
+
+def test_an_untied_mamba2_config_without_a_head_is_read_as_tied_and_says_so(tmp_path):
+    model = md.load_model(_shipped_with(tmp_path, "tiny-mamba2", tie_word_embeddings=DELETE))
+    shipped = md.load_model("tiny-mamba2")
+    assert model.config == shipped.config and any("no lm_head.weight" in n for n in model.notes)
+    tokens = torch.arange(7)[None]
+    assert torch.equal(model.logits(tokens), shipped.logits(tokens))

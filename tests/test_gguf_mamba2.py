@@ -111,3 +111,13 @@ def test_shipped_models_export_with_their_tokenizer(tmp_path, name):
     finally:
         llm.close()
     assert float((np.abs(got - ref).max(-1) / np.abs(ref).max(-1)).max()) < 1e-4
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-5, float("nan")])
+def test_a_norm_epsilon_out_of_range_is_refused_by_its_key(tmp_path, eps):
+    """As for Mamba-1 GGUFs and every config.json: a damaged epsilon is named, not computed with."""
+    from mamba_debug.errors import CheckpointError
+    model = _draw(1)
+    model = md.MambaModel(replace(model.config, rms_eps=eps), model.params, source="eps")
+    with pytest.raises(CheckpointError, match=r"mamba2\.attention\.layer_norm_rms_epsilon = .*: the norm's epsilon"):
+        load_gguf(export_gguf(model, tmp_path / "m.gguf"))

@@ -26,6 +26,7 @@ import torch
 from ..arch import param_shapes
 from ..config import ModelConfig
 from ..errors import CheckpointError, MambaDebugError
+from ..limits import check_config_values
 from ..model import MambaModel
 from . import gguf as gguf1
 from .gguf_header import check_gguf_header
@@ -168,6 +169,10 @@ def _load(reader, a: str, path: Path, size: int, gguf) -> MambaModel:
     E, L, K, D, N = (f(k) for k in ("embedding_length", "block_count", "ssm.conv_kernel", "ssm.inner_size",
                                      "ssm.state_size"))
     H, G, eps = f("ssm.time_step_rank"), f("ssm.group_count"), f("attention.layer_norm_rms_epsilon", float)
+    keys = {"d_model": "embedding_length", "n_layer": "block_count", "d_conv": "ssm.conv_kernel",
+            "d_inner": "ssm.inner_size", "d_state": "ssm.state_size", "rms_eps": "attention.layer_norm_rms_epsilon"}
+    check_config_values({"d_model": E, "n_layer": L, "d_conv": K, "d_inner": D, "d_state": N, "rms_eps": eps},
+                        {k: f"{a}.{v}" for k, v in keys.items()}, path)     # before tables of what they declare
     by_name = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:

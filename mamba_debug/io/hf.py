@@ -91,6 +91,10 @@ def read_config(folder: Path) -> tuple[dict, Path]:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for k, v in raw.items() if k == "ssm_cfg" and v):
         raise CheckpointError(f"{cfg_path}: must hold a JSON object of config keys (ssm_cfg an object too)")
+    archs = raw.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise CheckpointError(f"{cfg_path}: architectures must be a list of class names such as "
+                              f"[\"MambaForCausalLM\"], found {archs!r}")
     return raw, cfg_path
 
 
@@ -126,6 +130,12 @@ def load_hf_mamba2_folder(folder: Path, raw: dict) -> MambaModel:
     tensors = _read_tensors(folder)
     if hf_mamba2.model_type(raw) == "mamba_ssm2":            # the vocabulary is padded inside the checkpoint
         cfg.vocab_size = _vocab_rows(tensors, ("backbone.embedding.weight", "lm_head.weight"), cfg.vocab_size)
+    if not cfg.tie_embeddings and "lm_head.weight" not in tensors:     # transformers would start a random head
+        cfg.tie_embeddings = True
+        notes.append("tie_word_embeddings is false but there is no lm_head.weight: the head is the embedding")
+    extra = check_extra_tensors(tensors, hf_mamba2.tensor_names(cfg, tensors), cfg.n_layer, folder)
+    if extra:
+        notes.append(f"ignored tensors the config does not account for: {', '.join(extra[:4])}")
     shapes = param_shapes(cfg)
     params = check_params(cfg, hf_mamba2.params_from_hf(cfg, tensors, shapes, str(folder)), str(folder))
     tokenizer = _read_tokenizer(folder)
@@ -144,6 +154,8 @@ def _lookup(raw: dict, key: str):
 
 def _config(raw: dict, tensors: dict, cfg_path: Path, layout: str) -> MambaConfig:
     table = LAYOUTS[layout]
+    if str(raw.get("hidden_act", "silu")) != "silu":        # the mixer's activation; every Mamba-1 release uses silu
+        raise CheckpointError(f"{cfg_path}: hidden_act={raw['hidden_act']!r}; mamba-debug supports 'silu' only")
     try:
         kw = {}
         for field, key in table.config.items():

@@ -43,7 +43,7 @@ def weights_files(folder: Path) -> tuple[list, list]:
     return [], []
 
 
-_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.")     # Mamba-1 and -2; Granite
 
 
 def check_extra_tensors(tensors: dict, known: set, n_layer: int, source) -> list:

@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from ..limits import check_config_values
 
 MODEL_TYPES = ("mamba2", "granitemoehybrid")
 ARCHITECTURES = {"Mamba2ForCausalLM": "mamba2", "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
@@ -37,6 +38,8 @@ def model_type(raw: dict) -> str | None:
 def _limit_is_default(limit) -> bool:
     if limit is None:
         return True
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+        raise ValueError(f"time_step_limit must be two numbers [min, max], found {limit!r}")
     lo, hi = (_float(v) for v in limit)
     return lo <= 0 and math.isinf(hi)
 
@@ -47,10 +50,47 @@ def _float(v) -> float:
     return float(v)
 
 
-def _need(raw: dict, key: str, where: str):
-    if key not in raw:
-        raise CheckpointError(f"{where}: config.json lacks {key!r}, which a {raw.get('model_type')} model needs")
-    return raw[key]
+_NEED = object()
+
+
+def _get(raw: dict, key: str, default):
+    if key in raw:
+        return raw[key]
+    if default is _NEED:
+        raise ValueError(f"lacks {key!r}, which a {raw.get('model_type')} model needs")
+    return default
+
+
+# Typed reads, each refusal naming its key: transformers' typed configs refuse the same values (5.x: a string where
+# a bool belongs, null for an int), and an int() or bool() of them would read a damaged file as some other model.
+def _int(raw: dict, key: str, default=_NEED) -> int:
+    v = _get(raw, key, default)
+    if isinstance(v, float) and v.is_integer():     # 2.0 from an exporter that writes every number as a float
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{key} must be an integer, found {v!r}")
+    return v
+
+
+def _num(raw: dict, key: str, default) -> float:
+    v = _get(raw, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{key} must be a finite number, found {v!r}")
+    return float(v)
+
+
+def _positive(raw: dict, key: str, default) -> float:
+    v = _num(raw, key, default)
+    if v <= 0:
+        raise ValueError(f"{key} must be positive, found {v!r}")
+    return v
+
+
+def _flag(raw: dict, key: str, default: bool) -> bool:
+    v = _get(raw, key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"{key} must be true or false, found {v!r}")
+    return v
 
 
 def config_from_hf(raw: dict, where: str = "config.json") -> tuple[ModelConfig, list]:
@@ -59,37 +99,44 @@ def config_from_hf(raw: dict, where: str = "config.json") -> tuple[ModelConfig, 
     notes = []
     if str(raw.get("hidden_act", "silu")) != "silu":
         raise CheckpointError(f"{where}: hidden_act={raw['hidden_act']!r}; mamba-debug supports 'silu' only")
-    if not _limit_is_default(raw.get("time_step_limit")):
-        notes.append(f"time_step_limit={raw['time_step_limit']} is not applied (llama.cpp and HF decode ignore it; "
-                     f"HF prefill clamps dt)")
     try:
-        if mt == "mamba_ssm2":
-            return _mamba_ssm(raw, where), notes
-        E = int(_need(raw, "hidden_size", where))
-        if mt == "mamba2":
-            return _mamba2(raw, E, where), notes
-        return _granite(raw, E, where), notes
-    except ValueError as exc:
+        if not _limit_is_default(raw.get("time_step_limit")):
+            notes.append(f"time_step_limit={raw['time_step_limit']} is not applied (llama.cpp and HF decode ignore "
+                         f"it; HF prefill clamps dt)")
+        kw, keys = _mamba_ssm(raw, where) if mt == "mamba_ssm2" else _mamba2(raw, where) if mt == "mamba2" \
+            else _granite(raw, where)
+        check_config_values(kw, keys, where)        # before a tuple of 10^9 layer types is built
+        kw.setdefault("layer_types", ("mamba2",) * kw["n_layer"])
+        return ModelConfig(**kw), notes
+    except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{where}: {exc}") from None
 
 
-def _mamba2(raw: dict, E: int, where: str) -> ModelConfig:
+# ModelConfig field -> config.json key, for the refusals of `limits.check_config_values`
+_MAMBA2_KEYS = {"d_model": "hidden_size", "n_layer": "num_hidden_layers", "vocab_size": "vocab_size",
+                "d_state": "state_size", "d_conv": "conv_kernel", "expand": "expand", "rms_eps": "layer_norm_epsilon"}
+_MAMBA_SSM_KEYS = {"d_model": "d_model", "n_layer": "n_layer", "vocab_size": "vocab_size", "d_state": "ssm_cfg.d_state",
+                   "d_conv": "ssm_cfg.d_conv", "expand": "ssm_cfg.expand", "rms_eps": "norm_epsilon"}
+_GRANITE_KEYS = {"d_model": "hidden_size", "n_layer": "num_hidden_layers", "vocab_size": "vocab_size",
+                 "d_state": "mamba_d_state", "d_conv": "mamba_d_conv", "expand": "mamba_expand",
+                 "rms_eps": "rms_norm_eps"}
+
+
+def _mamba2(raw: dict, where: str) -> tuple[dict, dict]:
     if raw.get("rms_norm", True) is False:
         raise CheckpointError(f"{where}: rms_norm=false (no gated norm) is not supported; only the gated RMSNorm "
                               f"Mamba-2 of released checkpoints")
-    d_inner = int(float(raw.get("expand", 2)) * E)
-    L = int(_need(raw, "num_hidden_layers", where))
-    return ModelConfig(
-        d_model=E, n_layer=L, vocab_size=int(_need(raw, "vocab_size", where)),
-        d_state=int(raw.get("state_size", 128)), d_conv=int(raw.get("conv_kernel", 4)),
-        expand=int(raw.get("expand", 2)), d_inner=d_inner, rms_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), conv_bias=bool(raw.get("use_conv_bias", True)),
-        proj_bias=bool(raw.get("use_bias", False)), layer_types=("mamba2",) * L,
-        head_dim=int(raw.get("head_dim", 64)), n_heads=int(raw.get("num_heads", 128)),
-        n_groups=int(raw.get("n_groups", 8)), chunk_size=int(raw.get("chunk_size", 256)))
+    E, expand = _int(raw, "hidden_size"), _int(raw, "expand", 2)
+    return dict(
+        d_model=E, n_layer=_int(raw, "num_hidden_layers"), vocab_size=_int(raw, "vocab_size"),
+        d_state=_int(raw, "state_size", 128), d_conv=_int(raw, "conv_kernel", 4), expand=expand, d_inner=expand * E,
+        rms_eps=_num(raw, "layer_norm_epsilon", 1e-5), tie_embeddings=_flag(raw, "tie_word_embeddings", False),
+        conv_bias=_flag(raw, "use_conv_bias", True), proj_bias=_flag(raw, "use_bias", False),
+        head_dim=_int(raw, "head_dim", 64), n_heads=_int(raw, "num_heads", 128),
+        n_groups=_int(raw, "n_groups", 8), chunk_size=_int(raw, "chunk_size", 256)), _MAMBA2_KEYS
 
 
-def _mamba_ssm(raw: dict, where: str) -> ModelConfig:
+def _mamba_ssm(raw: dict, where: str) -> tuple[dict, dict]:
     """mamba_ssm's MambaConfig with ssm_cfg.layer = "Mamba2" (its defaults: mamba_ssm/modules/mamba2.py)."""
     ssm = raw.get("ssm_cfg") or {}
     for key, ok in (("attn_layer_idx", lambda v: not v), ("d_intermediate", lambda v: not v),
@@ -102,51 +149,47 @@ def _mamba_ssm(raw: dict, where: str) -> ModelConfig:
         if not ok(ssm.get(key)):
             raise CheckpointError(f"{where}: ssm_cfg.{key}={ssm[key]!r} is not supported (only the layout of the "
                                   f"released Mamba-2 checkpoints)")
-    E, L = int(_need(raw, "d_model", where)), int(_need(raw, "n_layer", where))
-    expand = int(ssm.get("expand", 2))
-    return ModelConfig(
-        d_model=E, n_layer=L, vocab_size=int(_need(raw, "vocab_size", where)), d_state=int(ssm.get("d_state", 128)),
-        d_conv=int(ssm.get("d_conv", 4)), expand=expand, d_inner=expand * E, rms_eps=float(raw.get("norm_epsilon", 1e-5)),
-        tie_embeddings=bool(raw.get("tie_embeddings", True)), conv_bias=bool(ssm.get("conv_bias", True)),
-        proj_bias=bool(ssm.get("bias", False)), layer_types=("mamba2",) * L, head_dim=int(ssm.get("headdim", 64)),
-        n_groups=int(ssm.get("ngroups", 1)), chunk_size=int(ssm.get("chunk_size", 256)))
+    E, expand = _int(raw, "d_model"), _int(ssm, "expand", 2)
+    return dict(
+        d_model=E, n_layer=_int(raw, "n_layer"), vocab_size=_int(raw, "vocab_size"), d_state=_int(ssm, "d_state", 128),
+        d_conv=_int(ssm, "d_conv", 4), expand=expand, d_inner=expand * E, rms_eps=_num(raw, "norm_epsilon", 1e-5),
+        tie_embeddings=_flag(raw, "tie_embeddings", True), conv_bias=_flag(ssm, "conv_bias", True),
+        proj_bias=_flag(ssm, "bias", False), head_dim=_int(ssm, "headdim", 64),
+        n_groups=_int(ssm, "ngroups", 1), chunk_size=_int(ssm, "chunk_size", 256)), _MAMBA_SSM_KEYS
 
 
-def _granite(raw: dict, E: int, where: str) -> ModelConfig:
-    if int(raw.get("num_local_experts") or 0) > 0:
+def _granite(raw: dict, where: str) -> tuple[dict, dict]:
+    if raw.get("num_local_experts") and _int(raw, "num_local_experts") > 0:
         raise CheckpointError(f"{where}: num_local_experts={raw['num_local_experts']}: mixture-of-experts Granite "
                               f"checkpoints are not supported yet (dense ones, num_local_experts=0, are)")
     if raw.get("position_embedding_type") not in (None, "nope"):
         raise CheckpointError(f"{where}: position_embedding_type={raw['position_embedding_type']!r}: only "
                               f"attention without positional encoding ('nope', Granite-4.0-H) is supported")
-    L = int(_need(raw, "num_hidden_layers", where))
+    E, L = _int(raw, "hidden_size"), _int(raw, "num_hidden_layers")
     kinds = raw.get("layer_types") or raw.get("layers_block_type")
-    if kinds is None or len(kinds) != L:
+    if not isinstance(kinds, list) or len(kinds) != L:
         raise CheckpointError(f"{where}: layer_types must name each of the {L} layers ('mamba' or 'attention')")
-    unknown = sorted({k for k in kinds if k not in GRANITE_LAYER})
+    unknown = sorted({str(k) for k in kinds if not isinstance(k, str) or k not in GRANITE_LAYER})
     if unknown:
         raise CheckpointError(f"{where}: layer_types holds {unknown}; known: {sorted(GRANITE_LAYER)}")
-    expand = raw.get("mamba_expand", 2)
-    d_inner = int(expand * E)
-    n_heads = int(raw.get("mamba_n_heads", 128))
-    head_dim = raw.get("mamba_d_head", "auto")
-    head_dim = d_inner // n_heads if head_dim in ("auto", None) else int(head_dim)
-    n_attn = int(_need(raw, "num_attention_heads", where))
-    return ModelConfig(
-        d_model=E, n_layer=L, vocab_size=int(_need(raw, "vocab_size", where)),
-        d_state=int(raw.get("mamba_d_state", 256)), d_conv=int(raw.get("mamba_d_conv", 4)), expand=int(expand),
-        d_inner=d_inner, rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
-        proj_bias=bool(raw.get("mamba_proj_bias", False)), layer_types=tuple(GRANITE_LAYER[k] for k in kinds),
-        head_dim=head_dim, n_heads=n_heads, n_groups=int(raw.get("mamba_n_groups", 1)),
-        chunk_size=int(raw.get("mamba_chunk_size", 256)), n_attn_heads=n_attn,
-        n_kv_heads=int(raw.get("num_key_value_heads") or n_attn),
-        attn_head_dim=int(raw.get("head_dim") or E // n_attn), attn_bias=bool(raw.get("attention_bias", False)),
-        d_ff=int(_need(raw, "shared_intermediate_size", where)),
-        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
-        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
-        attention_multiplier=float(raw.get("attention_multiplier", 1.0)),
-        logits_scaling=float(raw.get("logits_scaling", 1.0)))
+    expand, n_heads, n_attn = _int(raw, "mamba_expand", 2), _int(raw, "mamba_n_heads", 128), \
+        _int(raw, "num_attention_heads")
+    auto = raw.get("mamba_d_head", "auto") in ("auto", None)        # transformers: mamba_intermediate // n_heads
+    head_dim = (E * expand // n_heads if n_heads > 0 else 0) if auto else _int(raw, "mamba_d_head")
+    return dict(
+        d_model=E, n_layer=L, vocab_size=_int(raw, "vocab_size"), d_state=_int(raw, "mamba_d_state", 256),
+        d_conv=_int(raw, "mamba_d_conv", 4), expand=expand, d_inner=expand * E,
+        rms_eps=_num(raw, "rms_norm_eps", 1e-6), tie_embeddings=_flag(raw, "tie_word_embeddings", False),
+        conv_bias=_flag(raw, "mamba_conv_bias", True), proj_bias=_flag(raw, "mamba_proj_bias", False),
+        layer_types=tuple(GRANITE_LAYER[k] for k in kinds), head_dim=head_dim, n_heads=n_heads,
+        n_groups=_int(raw, "mamba_n_groups", 1), chunk_size=_int(raw, "mamba_chunk_size", 256), n_attn_heads=n_attn,
+        n_kv_heads=_int(raw, "num_key_value_heads") if raw.get("num_key_value_heads") else n_attn,
+        attn_head_dim=_int(raw, "head_dim") if raw.get("head_dim") else E // max(n_attn, 1),
+        attn_bias=_flag(raw, "attention_bias", False), d_ff=_int(raw, "shared_intermediate_size"),
+        embedding_multiplier=_num(raw, "embedding_multiplier", 1.0),
+        residual_multiplier=_num(raw, "residual_multiplier", 1.0),
+        attention_multiplier=_positive(raw, "attention_multiplier", 1.0),
+        logits_scaling=_positive(raw, "logits_scaling", 1.0)), _GRANITE_KEYS
 
 
 def _names(cfg: ModelConfig, granite: bool) -> dict:
@@ -172,6 +215,12 @@ def _names(cfg: ModelConfig, granite: bool) -> dict:
                         p + "ffn_up": q + "shared_mlp.input_linear.weight",
                         p + "ffn_down": q + "shared_mlp.output_linear.weight"})
     return out
+
+
+def tensor_names(cfg: ModelConfig, tensors: dict) -> set:
+    """The transformers names this config reads from `tensors` (mamba_ssm's embedding spelling included)."""
+    names = set(_names(cfg, any(k.startswith("model.") for k in tensors)).values())
+    return names | {n.replace("backbone.embeddings.", "backbone.embedding.") for n in names}
 
 
 def params_from_hf(cfg: ModelConfig, tensors: dict, shapes: dict, where: str = "") -> dict:
