@@ -121,3 +121,47 @@ def test_a_norm_epsilon_out_of_range_is_refused_by_its_key(tmp_path, eps):
     model = md.MambaModel(replace(model.config, rms_eps=eps), model.params, source="eps")
     with pytest.raises(CheckpointError, match=r"mamba2\.attention\.layer_norm_rms_epsilon = .*: the norm's epsilon"):
         load_gguf(export_gguf(model, tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("logits_scaling", float("nan"), r"granitehybrid\.logit_scale = nan should be a finite number and above 0"),
+    ("logits_scaling", 0.0, r"granitehybrid\.logit_scale = 0\.0 should be a finite number and above 0"),
+    ("residual_multiplier", float("inf"), r"granitehybrid\.residual_scale = inf should be a finite number"),
+    ("attention_multiplier", -1.0, r"granitehybrid\.attention\.scale = -1\.0 .* at least 0"),
+])
+def test_a_damaged_hybrid_multiplier_is_refused_by_its_key(tmp_path, field, value, match):
+    from mamba_debug.errors import CheckpointError
+    model = hybrid_model(3)
+    model = md.MambaModel(replace(model.config, **{field: value}), model.params, source="damaged")
+    with pytest.raises(CheckpointError, match=match):
+        load_gguf(export_gguf(model, tmp_path / "h.gguf"))
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("mamba2.block_count", 7, r"tensors of block\(s\) 7 but mamba2\.block_count is 7"),
+    ("granitehybrid.attention.head_count_kv", [], r"head_count_kv should be a count of KV heads, or one per layer"),
+    ("granitehybrid.feed_forward_length", 0, "feed_forward_length must be at least 1, found .* and 0"),
+])
+def test_damaged_metadata_is_refused_by_its_key(tmp_path, monkeypatch, key, value, match):
+    """The file's metadata as the reader sees it once each value's type is checked (a KeyError, TypeError or
+    ValueError before, or a block silently dropped)."""
+    from mamba_debug.errors import CheckpointError
+    from mamba_debug.io import gguf as gguf1
+    model = md.load_model("tiny-granite-hybrid" if key.startswith("granite") else "tiny-mamba2")
+    path = export_gguf(model, tmp_path / "m.gguf")
+    field = gguf1._field
+    monkeypatch.setattr(gguf1, "_field", lambda r, k, *a, **kw: value if k == key else field(r, k, *a, **kw))
+    with pytest.raises(CheckpointError, match=match):
+        load_gguf(path)
+
+
+def test_an_architecture_that_is_not_a_name_is_refused(tmp_path):
+    """A GGUF whose general.architecture is an array (of uint32 1, 2) raised a TypeError (unhashable list)."""
+    import struct
+    from mamba_debug.errors import CheckpointError
+    key = b"general.architecture"
+    kv = struct.pack("<Q", len(key)) + key + struct.pack("<IIQII", 9, 4, 2, 1, 2)   # ARRAY of UINT32: [1, 2]
+    path = tmp_path / "a.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
+    with pytest.raises(CheckpointError, match=r"general.architecture should be a name such as 'mamba', found \[1, 2\]"):
+        md.load_model(path)

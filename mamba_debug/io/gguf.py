@@ -118,8 +118,23 @@ def _field(reader, key: str, path: Path, required: bool = True, kind=None):
     return value
 
 
+def unknown_tensors(by_name: dict, known: set, n_layer: int, count_key: str, path: Path) -> list:
+    """Refuse tensors of blocks beyond the declared count (the metadata would drop them); return the other unknown
+    names (a loader note)."""
+    extra = sorted(set(by_name) - known)
+    beyond = sorted({int(k.split(".")[1]) for k in extra if k.startswith("blk.") and k.split(".")[1].isdigit()
+                     and int(k.split(".")[1]) >= n_layer})
+    if beyond:
+        raise CheckpointError(f"{path}: tensors of block(s) {', '.join(map(str, beyond[:5]))} but {count_key} is "
+                              f"{n_layer}; the metadata does not match the tensors")
+    return extra
+
+
 def _load(reader, path: Path, size: int, gguf) -> MambaModel:
     arch = _field(reader, "general.architecture", path)
+    if not isinstance(arch, str):
+        raise CheckpointError(f"{path}: general.architecture should be a name such as 'mamba', found {arch!r}; the "
+                              f"file is damaged")
     if arch != ARCH:
         kind = OTHER_GGUF_ARCHS.get(arch, f"a model of architecture {arch!r}")
         raise CheckpointError(f"{path}: general.architecture is {arch!r} ({kind}); mamba-debug reads GGUFs of "
@@ -178,13 +193,7 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
         if (params[f"layers.{i}.A"] > 0).any():
             raise CheckpointError(f"{path}: blk.{i}.ssm_a holds positive values; llama.cpp stores A = -exp(A_log) "
                                   f"(all negative), so this file holds A_log or is damaged: re-convert it")
-    known = set(names.values())
-    extra = sorted(set(by_name) - known)
-    beyond = sorted({int(k.split(".")[1]) for k in extra if k.startswith("blk.") and k.split(".")[1].isdigit()
-                     and int(k.split(".")[1]) >= L})
-    if beyond:
-        raise CheckpointError(f"{path}: tensors of block(s) {', '.join(map(str, beyond[:5]))} but {ARCH}.block_count "
-                              f"is {L}; the metadata does not match the tensors")
+    extra = unknown_tensors(by_name, set(names.values()), L, f"{ARCH}.block_count", path)
     params = check_params(cfg, params, str(path), names)
 
     tokenizer, notes = read_tokenizer(reader)

@@ -18,6 +18,7 @@ input_linear), `ffn_down` on every layer; `attention.head_count_kv` is a per-lay
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +164,24 @@ def load_gguf(path) -> MambaModel:
         del reader
 
 
+def _kv_heads(kv, n_layer: int, key: str, path: Path) -> list:
+    """KV heads of each layer (0: a Mamba-2 layer), from one count or a per-layer array."""
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * n_layer
+    if len(kv) != n_layer or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in kv):
+        raise CheckpointError(f"{path}: {key} should be a count of KV heads, or one per layer ({n_layer}), each 0 for "
+                              f"a Mamba-2 layer; found {kv!r}")
+    return kv
+
+
+def _finite(f, a: str, key: str, path: Path, at_least: float = -math.inf, above: float = -math.inf) -> float:
+    v = f(key, float)
+    if not (math.isfinite(v) and v >= at_least and v > above):
+        bound = f" and above {above:g}" if above > -math.inf else f" and at least {at_least:g}" \
+            if at_least > -math.inf else ""
+        raise CheckpointError(f"{path}: {a}.{key} = {v!r} should be a finite number{bound}; the file is damaged")
+    return v
+
+
 def _load(reader, a: str, path: Path, size: int, gguf) -> MambaModel:
     def f(key, kind=int, required=True):
         return gguf1._field(reader, f"{a}.{key}", path, required=required, kind=kind)
@@ -190,14 +209,17 @@ def _load(reader, a: str, path: Path, size: int, gguf) -> MambaModel:
         if f("rope.scaling.finetuned", kind=None, required=False):
             raise CheckpointError(f"{path}: {a}.rope.scaling.finetuned is true (RoPE attention, Bamba-style); "
                                   f"only attention without positional encoding (Granite-4.0-H) is supported")
-        kv = f("attention.head_count_kv", kind=None)
-        kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * L
-        Ha = f("attention.head_count")
+        kv = _kv_heads(f("attention.head_count_kv", kind=None), L, f"{a}.attention.head_count_kv", path)
+        Ha, d_ff = f("attention.head_count"), f("feed_forward_length")
+        if Ha < 1 or d_ff < 1:          # the head size divides by the one, and every layer has an FFN of the other
+            raise CheckpointError(f"{path}: {a}.attention.head_count and {a}.feed_forward_length must be at least 1, "
+                                  f"found {Ha} and {d_ff}; the file is damaged")
         kw = dict(layer_types=tuple("attention" if n else "mamba2" for n in kv), n_attn_heads=Ha,
                   n_kv_heads=max(kv) or Ha, attn_head_dim=f("attention.key_length", required=False) or E // Ha,
-                  d_ff=f("feed_forward_length"), embedding_multiplier=f("embedding_scale", float),
-                  residual_multiplier=f("residual_scale", float), attention_multiplier=f("attention.scale", float),
-                  logits_scaling=f("logit_scale", float))
+                  d_ff=d_ff, embedding_multiplier=_finite(f, a, "embedding_scale", path),
+                  residual_multiplier=_finite(f, a, "residual_scale", path),
+                  attention_multiplier=_finite(f, a, "attention.scale", path, at_least=0.0),   # 0: 1/sqrt(head size)
+                  logits_scaling=_finite(f, a, "logit_scale", path, above=0.0))
     try:
         cfg = ModelConfig(d_model=E, n_layer=L, vocab_size=V, d_state=N, d_conv=K, d_inner=D,
                           expand=D // E if D % E == 0 else 2, rms_eps=gguf1._short_float(eps), tie_embeddings=tied,
@@ -207,6 +229,8 @@ def _load(reader, a: str, path: Path, size: int, gguf) -> MambaModel:
     for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
         setattr(cfg, k, gguf1._short_float(getattr(cfg, k)))      # stored as float32: 0.3 reads as 0.3
     names = tensor_names(cfg)
+    extra = gguf1.unknown_tensors(by_name, {n for v in names.values() for n in v.split("+")}, L, f"{a}.block_count",
+                                  path)
     shapes = param_shapes(cfg)
     missing = [n for k in shapes for n in names[k].split("+") if n not in by_name and not (k == "lm_head" and tied)]
     if missing:
@@ -223,6 +247,8 @@ def _load(reader, a: str, path: Path, size: int, gguf) -> MambaModel:
         params["lm_head"] = params["embed"]
     params = check_params(cfg, params, str(path), names)
     tokenizer, notes = read_tokenizer(reader)
+    if extra:
+        notes.append(f"ignored unknown tensors {', '.join(extra[:4])}")
     return MambaModel(cfg, params, tokenizer, source=str(path), notes=notes)
 
 
