@@ -246,13 +246,14 @@ def load_trace(path) -> CompareResult:
     try:
         return _from_file(json.loads(header["result"]), tensors, path)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        raise MambaDebugError(f"{path}: damaged trace file ({type(exc).__name__}: {exc}); re-run the comparison to "
-                              f"get a new trace") from exc
+        detail = str(exc).replace("\n", "\\n")      # one line, whatever the file's keys hold
+        raise MambaDebugError(f"{path}: damaged trace file ({type(exc).__name__}: {detail}); re-run the comparison "
+                              f"to get a new trace") from exc
 
 
 def _from_file(meta, tensors: dict, path) -> CompareResult:
     from .settings_checks import check_numbers  # noqa: PLC0415
-    from .trace_checks import check_meta, check_result  # noqa: PLC0415
+    from .trace_checks import check_judged, check_meta, check_result  # noqa: PLC0415
     check_meta(meta, tensors, path)
     res = CompareResult(settings=RunSettings(**meta["settings"]), model_info=meta["model_info"],
                         placement=Placement(*meta["placement"]),
@@ -284,6 +285,7 @@ def _from_file(meta, tensors: dict, path) -> CompareResult:
     if "seq_token_info" in meta:
         res.seq_token_info = [[TokenInfo(**t) for t in row] for row in meta["seq_token_info"]]
     if "judged" in meta:                # a side's own verdict (llama.cpp's precision-aware one) is kept as given
+        check_judged(meta["judged"], path)
         res.first_divergence, res.precision = meta["judged"]["first_divergence"], meta["judged"]["precision"]
         res.judged = True
     return res

@@ -58,3 +58,50 @@ def check_result(res, path) -> None:
     for key, v in res.thresholds.items():
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             bad(f"threshold of {key} is {v!r}")
+    _check_free_form(res, S, bad)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_free_form(res, S: int, bad) -> None:
+    """The metadata the views read as given: counts, the model's description, the texts, the timings."""
+    for name in ("ubatch", "n_seqs"):
+        v = getattr(res.settings, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            bad(f"settings {name} is {v!r}")
+    if not isinstance(res.model_info, dict):
+        bad("model_info is not an object")
+    if not {"ref32", "ref64", "device"} <= set(res.sides):
+        bad(f"sides are {sorted(res.sides)}, not ref32, ref64 and device")
+    for name in ("perplexity", "timings"):
+        table = getattr(res, name)
+        if not isinstance(table, dict) or not all(_is_num(v) for v in table.values()):
+            bad(f"{name} is not an object of numbers")
+    g = res.generations
+    texts = ("prompt", "reference", "device")
+    if g and not (isinstance(g, dict) and all(isinstance(g.get(k), list) and len(g[k]) == S and
+                                              all(isinstance(x, str) for x in g[k]) for k in texts)
+                  and isinstance(g.get("first_difference"), list) and len(g["first_difference"]) == S
+                  and all(x is None or isinstance(x, int) for x in g["first_difference"])):
+        bad(f"generations must hold {', '.join(texts)} and first_difference for each of {S} sequence(s)")
+    nd = res.nondeterminism
+    if nd and not (isinstance(nd, dict) and _is_num(nd.get("rel_l2")) and {"layer", "site"} <= set(nd)):
+        bad("nondeterminism must be an object of rel_l2, layer and site")
+
+
+# what the views read of a first divergence (`trace.find_first_divergence` writes these and more)
+DIVERGENCE_KEYS = {"token", "seq", "layer", "site", "ubatch", "position", "error", "nan", "threshold"}
+
+
+def check_judged(judged, path) -> None:
+    """A side's own verdict kept in the trace (llama.cpp's): first_divergence null or an object of the keys the views
+    read, precision null or an object with its items and text."""
+    fd, prec = (judged.get("first_divergence"), judged.get("precision")) if isinstance(judged, dict) else (0, 0)
+    if not (isinstance(judged, dict) and {"first_divergence", "precision"} <= set(judged)
+            and (fd is None or isinstance(fd, dict) and DIVERGENCE_KEYS <= set(fd))
+            and (prec is None or isinstance(prec, dict) and isinstance(prec.get("items"), list)
+                 and isinstance(prec.get("text"), str))):
+        raise MambaDebugError(f"{path}: inconsistent trace file (its judged verdict is not "
+                              f"{{first_divergence, precision}} as written); re-run the comparison to get a new trace")

@@ -25,6 +25,7 @@ from mamba_debug.io.hf import save_hf
 from mamba_debug.settings import RunSettings
 from mamba_debug.settings_checks import N_GEN_MAX
 from mamba_debug.trace import load_trace
+from mamba_debug.views import summary, to_json
 
 FUZZ = settings(max_examples=25, deadline=5000, suppress_health_check=list(HealthCheck), derandomize=True)
 pytestmark = pytest.mark.usefixtures("bounded_rss")
@@ -128,7 +129,52 @@ def test_trace_metadata_changed_is_a_clear_error_or_loads(files, tmp_path_factor
     meta[key] = data.draw(json_values)
     p = tmp_path_factory.mktemp("tm") / "t.safetensors"
     save_file(tensors, str(p), metadata={**header, "result": json.dumps(meta)})
-    _clear_or_correct(lambda: load_trace(p))
+    res = _clear_or_correct(lambda: load_trace(p))
+    if res is not None:                     # what loads, `show` prints
+        summary(res), to_json(res)
+
+
+def _with_meta(files, tmp_path, path: str, value, judged: bool = False):
+    """The fixture's trace with the metadata value at `path` ("a.b": key b of object a) replaced (DELETE: removed);
+    judged: first kept as a side's own verdict, as llama.cpp's traces are."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(files / "t.safetensors"), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta = json.loads(header["result"])
+    if judged:
+        meta["judged"] = {"first_divergence": None, "precision": {"items": [], "text": "float32 rounding"}}
+    *parents, last = path.split(".")
+    obj = meta
+    for k in parents:
+        obj = obj[k]
+    if value is DELETE:
+        del obj[last]
+    else:
+        obj[last] = value
+    p = tmp_path / "t.safetensors"
+    save_file(tensors, str(p), metadata={**header, "result": json.dumps(meta)})
+    return p
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("path, value", [
+    ("generations", True), ("generations.first_difference", True), ("generations.device", DELETE),
+    ("model_info", 1e308), ("perplexity", "x"), ("settings.ubatch", {}), ("nondeterminism", {"rel_l2": "x"}),
+    ("judged.precision", 1e308), ("judged.first_divergence", {"token": 1}),
+])
+def test_trace_metadata_the_views_read_is_checked_at_load(files, tmp_path, path, value):
+    """Each of these loaded and then crashed `show` (a TypeError, KeyError or AttributeError in the summary)."""
+    p = _with_meta(files, tmp_path, path, value, judged=path.startswith("judged"))
+    with pytest.raises(MambaDebugError, match="inconsistent trace file"):
+        load_trace(p)
+
+
+def test_a_trace_with_a_kept_verdict_loads_and_prints(files, tmp_path):
+    res = load_trace(_with_meta(files, tmp_path, "judged.first_divergence", None, judged=True))
+    assert res.judged and "float32 rounding" in summary(res)
 
 
 # -- settings ------------------------------------------------------------------------------------------------
