@@ -25,7 +25,7 @@ from .backends import cpu_backend, cpu_threads_for, device_backends, reference_b
 from .budget import check_budget, check_gpu_memory, check_host_memory, give_back_freed_heap
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .gc_scope import young_only
-from .model import Model, Runner, check_tokens
+from .model import Model, Runner, check_tokens, prompt_list
 from .settings import K_FLOOR, RunSettings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
 from .accumulate import Accumulator, merge_groups
@@ -56,7 +56,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     cfg = model.config
     s = (settings or RunSettings()).validated(cfg)
     placement = s.placement(cfg.n_layer)
-    tokens = check_tokens(sequence_prompts(list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
+    tokens = check_tokens(sequence_prompts(prompt_list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     check_budget(cfg, s, tokens.shape[1] + s.n_gen)
     check_host_memory(cfg, s, tokens.shape[1] + s.n_gen)
     ref_device = resolve_ref_device(s.ref_device)

@@ -160,6 +160,36 @@ def once_per_tensor(params: dict, fn) -> dict:
     return {k: done[id(v)] if id(v) in done else done.setdefault(id(v), fn(v)) for k, v in params.items()}
 
 
+def prompt_list(prompt_ids) -> list:
+    """One prompt's token ids as a list of ints, from a list, tuple, iterator, 1-D array or tensor of integers (the
+    API's `prompt_ids`); text, several rows, non-integers and ids beyond int64 are refused naming what was given."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise MambaDebugError("prompt_ids is text; pass token ids, e.g. model.encode(text)")
+    if hasattr(prompt_ids, "ndim") and hasattr(prompt_ids, "tolist"):     # a tensor or numpy array
+        if prompt_ids.ndim != 1:
+            raise MambaDebugError(f"prompt_ids must be one prompt, a 1-D list of token ids; got shape "
+                                  f"{list(prompt_ids.shape)} (several sequences come from n_seqs)")
+        prompt_ids = prompt_ids.tolist()
+    try:
+        ids = list(prompt_ids)
+    except TypeError:
+        raise MambaDebugError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}") from None
+    for x in ids:
+        if not _is_integer(x):
+            raise MambaDebugError(f"prompt_ids must be integer token ids, got {x!r} ({type(x).__name__})")
+        if not -2 ** 63 <= int(x) < 2 ** 63:
+            raise MambaDebugError(f"token id {int(x)} is out of range")
+    return [int(x) for x in ids]
+
+
+def _is_integer(x) -> bool:
+    """A Python, numpy or 0-d torch integer (not a bool)."""
+    if isinstance(x, torch.Tensor):
+        return x.ndim == 0 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+    kind = getattr(getattr(x, "dtype", None), "kind", "")          # numpy's scalars: "i" and "u" are integers
+    return not isinstance(x, bool) and (isinstance(x, int) or kind in ("i", "u"))
+
+
 def check_tokens(tokens, vocab_size: int) -> torch.Tensor:
     if not isinstance(tokens, torch.Tensor):
         tokens = torch.as_tensor(tokens)

@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 from .budget import workers_that_fit
 from .compare import run_compare
 from .errors import MambaDebugError
-from .model import Model
+from .model import Model, prompt_list
 from .plugins import load_plugin
 from .settings import RunSettings, resolve_device
 from .trace import json_num
@@ -46,6 +46,7 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
     started here (one CPU, or the GPUs of the split, per task); an already initialised Ray is used as it is."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
+    prompt_ids = prompt_list(prompt_ids)            # an iterator is read once, here
     L = model.config.n_layer
     offloads = list(range(0, L + 2)) if offloads is None else list(offloads)
     ubatches, n_seqs_list = list(ubatches), list(n_seqs_list)
@@ -262,7 +263,7 @@ def bisect_layer(model: Model, prompt_ids, base: RunSettings) -> dict:
 
     Assumes monotonicity, as llama.cpp's placement gives it: offload N+1 runs a superset of N's device layers.
     """
-    L = model.config.n_layer
+    L, prompt_ids = model.config.n_layer, prompt_list(prompt_ids)       # an iterator is read once, here
     cache: dict = {}
     runs = []
 

@@ -18,6 +18,7 @@ import torch
 
 from .compare import run_compare
 from .errors import MambaDebugError
+from .model import prompt_list
 from .settings import RunSettings
 from .views.summary import to_json, verdict
 
@@ -45,7 +46,7 @@ def run_three_way(model, prompt_ids, settings: RunSettings, devices=DEVICES, pro
         raise MambaDebugError("--three-way compares llama.cpp's CPU and CUDA backends: add --engine llama.cpp")
     if settings.capture == "metrics":
         raise MambaDebugError("--three-way compares the two runs' site values: use --capture all or sites")
-    cache, runs = {}, {}
+    cache, runs, prompt_ids = {}, {}, prompt_list(prompt_ids)       # an iterator is read once, here
     for i, device in enumerate(devices):
         label = f"llama.cpp {device}" + (f" #{i + 1}" if list(devices).count(device) > 1 else "")
         if on_run:

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -214,3 +215,24 @@ def test_an_untied_mamba2_config_without_a_head_is_read_as_tied_and_says_so(tmp_
     assert model.config == shipped.config and any("no lm_head.weight" in n for n in model.notes)
     tokens = torch.arange(7)[None]
     assert torch.equal(model.logits(tokens), shipped.logits(tokens))
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([1.5, 2.0], r"integer token ids, got 1\.5"), ([True, False], "integer token ids, got True"),
+    ("hello", "prompt_ids is text; pass token ids, e.g. model.encode"), (None, "a list of token ids, got NoneType"),
+    (torch.tensor([[1, 2, 3]]), r"one prompt, a 1-D list of token ids; got shape \[1, 3\]"),
+    (np.array([1.0, 2.0]), "integer token ids, got 1.0"), ([[1, 2], [3]], r"integer token ids, got \[1, 2\]"),
+    ([10 ** 30], "token id 1000000000000000000000000000000 is out of range"),
+])
+def test_prompt_ids_that_are_not_one_prompt_of_integers_are_named(small_model, ids, match):
+    """Floats were truncated to ids (1.5 -> 1) and booleans read as 0 and 1; text, a [1, P] tensor, nested lists and
+    huge ids raised TypeError, ValueError or an overflow from torch."""
+    with pytest.raises(MambaDebugError, match=match):
+        md.run_compare(small_model, ids, md.CompareSettings(device="cpu", kernels="torch", capture="metrics"))
+
+
+def test_prompt_ids_of_any_integer_kind_give_one_answer(small_model):
+    s = md.CompareSettings(device="cpu", kernels="torch", capture="metrics", ubatch=2)
+    runs = [md.run_compare(small_model, ids, s) for ids in ([1, 2, 3], (1, 2, 3), np.array([1, 2, 3], np.int32),
+                                                           torch.tensor([1, 2, 3]), iter([1, 2, 3]), range(1, 4))]
+    assert all(torch.equal(r.tokens, runs[0].tokens) for r in runs)
