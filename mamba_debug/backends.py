@@ -72,6 +72,8 @@ def device_backend(kernels: str | None = "triton", device: str | None = None, us
     where = {"cuda": f"compiled for {torch.cuda.get_device_name(torch_device) if device == 'cuda' else ''}",
              "interpret": "under Triton's interpreter on the CPU", "cpu": "on the CPU"}[device]
     what = f"kernels '{name}' ({', '.join(overridden)}; other ops torch)" if overridden else "torch ops"
+    if name != "torch" and not overridden:      # the plug-in ran nothing: say so where the verdict is read
+        where += f" (plug-in '{name}' replaces none of the ops this model calls: {', '.join(sorted(plugin.ops))})"
     return Backend(f"device:{name}", OpTable(name, ops, supports_states_out), torch.float32, torch_device,
                    f"device {device}: float32 {what} {where}".replace("  ", " "))
 

@@ -34,6 +34,14 @@ def test_load_by_path_and_override_only_some_ops(tmp_path):
     assert md.device_backend(path, "cpu").label.startswith("device cpu: float32 kernels 'neg' (silu")
 
 
+def test_a_plugin_whose_ops_the_model_never_calls_says_so(tmp_path):
+    """A Mamba-1 kernel on a Mamba-2 model runs nothing of its own: the device line says so instead of reading as
+    an ordinary torch run."""
+    path = _write(tmp_path, 'NAME = "scan1"\nOPS = {"ssm_scan": lambda *a: None}\n')
+    res = md.run_compare(md.load_model("tiny-mamba2"), [1, 2, 3], md.CompareSettings(device="cpu", kernels=str(path)))
+    assert res.sides["device"].label.endswith("(plug-in 'scan1' replaces none of the ops this model calls: ssm_scan)")
+
+
 def test_unknown_op_name_is_rejected(tmp_path):
     path = _write(tmp_path, 'OPS = {"ssm_scna": lambda *a: None}\n')
     with pytest.raises(PluginError, match=r"unknown op name\(s\) \['ssm_scna'\]"):
