@@ -28,10 +28,15 @@ def cache_dir(*parts: str) -> Path:
 
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a fresh temporary path next to `path`; rename it over `path` when the block ends without error."""
-    path = Path(path)
+    """Yield a fresh temporary path next to `path`; rename it over `path` when the block ends without error. A
+    symbolic link is written through (its target replaced, the link kept); a device or a pipe (`--json /dev/null`,
+    a FIFO) is written as it is: a rename would replace the device node itself, which root may do."""
+    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     if path.is_dir():
         raise MambaDebugError(f"{path}: is a folder; give a file name for this output")
+    if path.exists() and not path.is_file():
+        yield path
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     os.close(fd)
@@ -49,7 +54,8 @@ def write_bytes(path, data: bytes) -> Path:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if tmp.is_file():                   # a device or a pipe has nothing to sync
+                os.fsync(f.fileno())
     return Path(path)
 
 

@@ -222,9 +222,14 @@ def save_trace(res: CompareResult, path) -> Path:
                if res.seq_token_info else {})}
     from .safeio import atomic_path  # noqa: PLC0415
     path = Path(path)
+    header = {"format": TRACE_FORMAT, "version": str(TRACE_VERSION), "result": json.dumps(meta, default=str)}
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": TRACE_FORMAT, "version": str(TRACE_VERSION),
-                                               "result": json.dumps(meta, default=str)})
+        if tmp.exists() and not tmp.is_file():      # a device or a pipe: safetensors' writer would replace the node
+            from safetensors.torch import save  # noqa: PLC0415
+            with open(tmp, "wb") as f:
+                f.write(save(tensors, metadata=header))
+        else:
+            save_file(tensors, str(tmp), metadata=header)
     return path
 
 

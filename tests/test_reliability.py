@@ -494,3 +494,24 @@ def test_output_that_is_a_folder_is_refused_before_the_run(folder, capsys, monke
     monkeypatch.setattr(compare, "run_compare", lambda *a, **k: pytest.fail("ran before refusing"))
     rc, _, err = _run(capsys, "compare", "--model", folder, "--json", folder.parent, *FAST)
     assert rc == 2 and "folder" in err
+
+
+@pytest.mark.parametrize("flag, name", [("--json", "r.json"), ("--trace", "t.safetensors"), ("--report", "r.html")])
+def test_an_output_that_is_a_pipe_or_a_link_is_written_through_not_replaced(tmp_path, folder, capsys, flag, name):
+    """A FIFO (as /dev/null is a device) was replaced by a regular file by the rename of an atomic write (as root,
+    `--trace /dev/null` replaced the device node); a symbolic link was replaced by the file it pointed to."""
+    import stat
+    import threading
+    fifo = tmp_path / f"pipe.{name}"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    rc, _, err = _run(capsys, "compare", "--model", folder, flag, fifo, *FAST)
+    reader.join(timeout=60)
+    assert rc in (0, 1), err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and got and len(got[0]) > 100
+    target, link = tmp_path / name, tmp_path / f"link.{name}"
+    link.symlink_to(target)
+    rc, _, err = _run(capsys, "compare", "--model", folder, flag, link, *FAST)
+    assert rc in (0, 1) and link.is_symlink() and target.stat().st_size > 100, err
