@@ -31,12 +31,14 @@ def atomic_path(path):
     """Yield a fresh temporary path next to `path`; rename it over `path` when the block ends without error. A
     symbolic link is written through (its target replaced, the link kept); a device or a pipe (`--json /dev/null`,
     a FIFO) is written as it is: a rename would replace the device node itself, which root may do."""
-    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    path = Path(path)
     if path.is_dir():
         raise MambaDebugError(f"{path}: is a folder; give a file name for this output")
-    if path.exists() and not path.is_file():
+    if path.exists() and not path.is_file():    # (links followed) a device, a pipe, /dev/stdout
         yield path
         return
+    if path.is_symlink():                       # to a file, or dangling: the target is the output
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     os.close(fd)
