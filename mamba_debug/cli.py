@@ -284,6 +284,8 @@ def cmd_bisect(args) -> int:
 
 def cmd_export_case(args) -> int:
     from .export import export_case  # noqa: PLC0415
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise MambaDebugError(f"--out {args.out} is a file; export-case writes three files into a folder: name one")
     guard_outputs(args, **{f"--out {args.out}/{n}": Path(args.out) / n
                            for n in ("inputs.safetensors", "case.json", "test_case.py")})
     model, ids = model_and_prompt(args)

@@ -515,3 +515,11 @@ def test_an_output_that_is_a_pipe_or_a_link_is_written_through_not_replaced(tmp_
     link.symlink_to(target)
     rc, _, err = _run(capsys, "compare", "--model", folder, flag, link, *FAST)
     assert rc in (0, 1) and link.is_symlink() and target.stat().st_size > 100, err
+
+
+def test_export_case_into_a_file_is_refused_naming_it(tmp_path, folder, capsys):
+    f = tmp_path / "afile"
+    f.write_text("kept")
+    rc, _, err = _run(capsys, "export-case", "--model", folder, "--out", f, *FAST)
+    assert rc == 2 and f"--out {f} is a file; export-case writes three files into a folder" in err
+    assert f.read_text() == "kept"
