@@ -56,6 +56,7 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
             for s, u, o in grid if runs[o] == o]
     for job in jobs:                        # every cell's settings checked before the first one runs
         job.validated(model.config)
+    workers = max(1, min(workers, len(jobs)))       # a worker loads its own model: none without a run to do
     if workers > 1:     # longest first, so that no worker is left with one long run at the end
         jobs.sort(key=lambda j: -_cost(j, L, len(prompt_ids)))
     t0 = time.perf_counter()
@@ -82,6 +83,9 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
             "incomplete": True, "seconds": time.perf_counter() - t0, "workers": workers,
             **({"ray": ray} if ray is not None else {})}
         raise Interrupted(part, f"{part['cells_done']} of {part['cells_total']} cells finished") from None
+    except BaseException:
+        bar.close()                         # the error's line starts on a line of its own
+        raise
     bar.close()
     return {"offloads": offloads, "ubatches": ubatches, "n_seqs": n_seqs_list, "kernels": base.kernels,
             "cells": _grid_cells(grid, runs, cells, L, base)["cells"], "seconds": time.perf_counter() - t0,
@@ -238,7 +242,12 @@ def _on_ray(address: str, source, prompt_ids, jobs, bar, cells: list) -> list:
         raise MambaDebugError("--ray needs Ray: pip install ray (on every machine of the cluster)") from None
     started = not ray.is_initialized()
     if started:
-        ray.init(address=None if address == "local" else address, include_dashboard=False, log_to_driver=False)
+        _check_reachable(address)
+        try:
+            ray.init(address=None if address == "local" else address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise MambaDebugError(f"--ray {address}: cannot connect ({exc}); start a cluster there (ray start "
+                                  f"--head), or use --ray local") from None
     refs: list = []
     try:
         for s in jobs:
@@ -256,6 +265,20 @@ def _on_ray(address: str, source, prompt_ids, jobs, bar, cells: list) -> list:
         if started:
             ray.shutdown()
     return cells
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) address answers a TCP connection within seconds: Ray itself retries an
+    unreachable one for minutes without a word."""
+    host, sep, port = address.split("://")[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return                                  # "local", "auto": Ray answers those at once
+    import socket  # noqa: PLC0415
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise MambaDebugError(f"--ray {address}: nothing answers there ({exc.strerror or exc}); start a cluster "
+                              f"there (ray start --head), or use --ray local") from None
 
 
 def bisect_layer(model: Model, prompt_ids, base: RunSettings) -> dict:

@@ -227,3 +227,22 @@ def test_ray_sweep_equals_the_serial_sweep_cell_by_cell(tmp_path):
     strip = lambda cells: [{k: v for k, v in c.items() if k != "seconds"} for c in cells]  # noqa: E731
     assert strip(spread["cells"]) == strip(serial["cells"]) and spread["ray"] == "local"
     assert any(c["first_divergence"] for c in serial["cells"])
+
+
+def test_a_ray_address_that_nothing_answers_is_refused_within_seconds():
+    """Ray retries an unreachable address for minutes without a word; the sweep asks the port first."""
+    pytest.importorskip("ray")
+    import socket
+    import time
+    import mamba_debug as md
+    from mamba_debug.errors import MambaDebugError
+    from mamba_debug.settings import RunSettings
+    from mamba_debug.sweep import run_sweep
+    with socket.socket() as s:              # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    with pytest.raises(MambaDebugError, match=rf"--ray 127.0.0.1:{port}: nothing answers there"):
+        run_sweep(md.load_model("tiny-mamba"), [1, 2, 3], RunSettings(device="cpu", kernels="torch"), offloads=[0],
+                  ubatches=[2], progress=False, ray=f"127.0.0.1:{port}")
+    assert time.perf_counter() - t0 < 30
