@@ -255,9 +255,12 @@ def cmd_sweep(args) -> int:
     shared = sorted({(c["offload"], c["same_run_as"]) for c in sw["cells"] if "same_run_as" in c})
     runs = len(sw["cells"]) - sum(1 for c in sw["cells"] if "same_run_as" in c)
     how = f"Ray at {sw['ray']}" if sw.get("ray") else f"{sw['workers']} process(es)"
+    by_run: dict = {}
+    for o, r in shared:
+        by_run.setdefault(r, []).append(o)
     print(f"{len(sw['cells'])} cells from {runs} runs in {sw['seconds']:.1f} s ({how})"
-          + "".join(f"; offload {o} is the run of offload {r} (the head's placement changes no bit here)"
-                    for o, r in shared))
+          + "".join(f"; offload{'s' * (len(os_) > 1)} {_ranges(os_)} {'are' if len(os_) > 1 else 'is'} the run of "
+                    f"offload {r} (the head's placement changes no bit here)" for r, os_ in by_run.items()))
     if args.json:
         _write_json(args.json, sw)
     return 1 if any(c["first_divergence"] for c in sw["cells"]) else 0
@@ -280,6 +283,17 @@ def cmd_bisect(args) -> int:
     if args.json:
         _write_json(args.json, out)
     return 1 if out["bad_layer"] is not None else 0
+
+
+def _ranges(xs: list) -> str:
+    """Sorted integers as runs: [12, 14, 15, 16] -> "12, 14..16"."""
+    out: list = []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in out)
 
 
 def cmd_export_case(args) -> int:
