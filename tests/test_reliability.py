@@ -523,3 +523,10 @@ def test_export_case_into_a_file_is_refused_naming_it(tmp_path, folder, capsys):
     rc, _, err = _run(capsys, "export-case", "--model", folder, "--out", f, *FAST)
     assert rc == 2 and f"--out {f} is a file; export-case writes three files into a folder" in err
     assert f.read_text() == "kept"
+
+
+def test_sweep_far_past_the_layers_says_which_offloads_share_a_run_in_one_clause(folder, capsys):
+    rc, out, _ = _run(capsys, "sweep", "--model", folder, "--offloads", "0..40", "--ubatches", "2", "--workers", "1",
+                      "--kernels", "torch", *FAST)
+    last = out.strip().splitlines()[-1]
+    assert rc == 0 and last.count("the run of offload") == 1 and "offloads 2, 4..40 are the run of offload 3" in last
