@@ -345,6 +345,9 @@ def cmd_list_kernels(args) -> int:
 def cmd_export_gguf(args) -> int:
     from .io import describe_gguf, export_gguf, load_model  # noqa: PLC0415
     guard_outputs(args, **{"--out": args.out})
+    if Path(args.out).exists() and not Path(args.out).is_file():
+        raise MambaDebugError(f"--out {args.out} is a device or a pipe; export-gguf reads the GGUF back to describe "
+                              f"it: give a file name")
     model = load_model(args.model)
     out = export_gguf(model, args.out, dtype=args.dtype)
     print(f"# {model!r} -> GGUF {args.dtype}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -29,22 +30,27 @@ def cache_dir(*parts: str) -> Path:
 @contextlib.contextmanager
 def atomic_path(path):
     """Yield a fresh temporary path next to `path`; rename it over `path` when the block ends without error. A
-    symbolic link is written through (its target replaced, the link kept); a device or a pipe (`--json /dev/null`,
-    a FIFO) is written as it is: a rename would replace the device node itself, which root may do."""
+    symbolic link is written through (its target replaced, the link kept). A device or a pipe (`--json /dev/null`,
+    /dev/stdout, a FIFO) gets the finished file's bytes copied into it: a rename would replace the node itself,
+    which root may do."""
     path = Path(path)
     if path.is_dir():
         raise MambaDebugError(f"{path}: is a folder; give a file name for this output")
-    if path.exists() and not path.is_file():    # (links followed) a device, a pipe, /dev/stdout
-        yield path
-        return
-    if path.is_symlink():                       # to a file, or dangling: the target is the output
+    node = path.exists() and not path.is_file()        # (links followed) a device or a pipe
+    if path.is_symlink() and not node:                  # to a file, or dangling: the target is the output
         path = Path(os.path.realpath(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    if not node:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=None if node else path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
-        os.replace(tmp, path)
+        if node:
+            with open(tmp, "rb") as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -56,8 +62,7 @@ def write_bytes(path, data: bytes) -> Path:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            if tmp.is_file():                   # a device or a pipe has nothing to sync
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
     return Path(path)
 
 

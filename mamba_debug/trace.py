@@ -224,12 +224,7 @@ def save_trace(res: CompareResult, path) -> Path:
     path = Path(path)
     header = {"format": TRACE_FORMAT, "version": str(TRACE_VERSION), "result": json.dumps(meta, default=str)}
     with atomic_path(path) as tmp:
-        if tmp.exists() and not tmp.is_file():      # a device or a pipe: safetensors' writer would replace the node
-            from safetensors.torch import save  # noqa: PLC0415
-            with open(tmp, "wb") as f:
-                f.write(save(tensors, metadata=header))
-        else:
-            save_file(tensors, str(tmp), metadata=header)
+        save_file(tensors, str(tmp), metadata=header)
     return path
 
 

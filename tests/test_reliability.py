@@ -530,3 +530,13 @@ def test_sweep_far_past_the_layers_says_which_offloads_share_a_run_in_one_clause
                       "--kernels", "torch", *FAST)
     last = out.strip().splitlines()[-1]
     assert rc == 0 and last.count("the run of offload") == 1 and "offloads 2, 4..40 are the run of offload 3" in last
+
+
+def test_export_gguf_into_a_pipe_is_refused_and_the_pipe_kept(tmp_path, folder, capsys):
+    """The GGUF is read back to describe it, which a pipe or /dev/null cannot give (an 'Invalid argument' before)."""
+    import stat
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    rc, _, err = _run(capsys, "export-gguf", "--model", folder, "--out", fifo)
+    assert rc == 2 and "is a device or a pipe; export-gguf reads the GGUF back" in err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
