@@ -168,7 +168,7 @@ def test_sweep_lists_are_checked_before_any_cell_runs(small_model, monkeypatch):
 
 
 def _shipped_with(tmp_path, name: str, **changes):
-    """A copy of a shipped model folder whose config.json has `changes` (None deletes a key: use DELETE)."""
+    """A copy of a shipped model folder whose config.json has `changes` (a value DELETE removes its key)."""
     import shutil
     from mamba_debug.io.load import DATA_DIR
     folder = shutil.copytree(DATA_DIR / name, tmp_path / name)

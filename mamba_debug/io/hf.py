@@ -154,8 +154,7 @@ def _lookup(raw: dict, key: str):
 
 def _config(raw: dict, tensors: dict, cfg_path: Path, layout: str) -> MambaConfig:
     table = LAYOUTS[layout]
-    if str(raw.get("hidden_act", "silu")) != "silu":        # the mixer's activation; every Mamba-1 release uses silu
-        raise CheckpointError(f"{cfg_path}: hidden_act={raw['hidden_act']!r}; mamba-debug supports 'silu' only")
+    hf_mamba2.check_activation(raw, cfg_path)
     try:
         kw = {}
         for field, key in table.config.items():

@@ -93,12 +93,17 @@ def _flag(raw: dict, key: str, default: bool) -> bool:
     return v
 
 
+def check_activation(raw: dict, where) -> None:
+    """The mixer's activation: silu in every released Mamba-1, Mamba-2 and Granite-4.0-H, and the only one modelled."""
+    if str(raw.get("hidden_act", "silu")) != "silu":
+        raise CheckpointError(f"{where}: hidden_act={raw['hidden_act']!r}; mamba-debug supports 'silu' only")
+
+
 def config_from_hf(raw: dict, where: str = "config.json") -> tuple[ModelConfig, list]:
     """(config, notes): notes say what the reference does not model (e.g. a dt clamp only HF prefill applies)."""
     mt = model_type(raw)
     notes = []
-    if str(raw.get("hidden_act", "silu")) != "silu":
-        raise CheckpointError(f"{where}: hidden_act={raw['hidden_act']!r}; mamba-debug supports 'silu' only")
+    check_activation(raw, where)
     try:
         if not _limit_is_default(raw.get("time_step_limit")):
             notes.append(f"time_step_limit={raw['time_step_limit']} is not applied (llama.cpp and HF decode ignore "
