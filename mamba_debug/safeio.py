@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -79,6 +80,13 @@ def _same(a: Path, b: Path) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _char_device(p: Path) -> bool:
+    try:
+        return stat.S_ISCHR(os.stat(p).st_mode)
+    except OSError:
+        return False
+
+
 def model_inputs(model_path) -> list:
     """The files a model load reads: a GGUF file, or every file of a model folder (config, weights, tokenizer)."""
     if model_path is None:
@@ -109,5 +117,5 @@ def refuse_inputs(outputs: dict, inputs: list):
                                       f"Choose another output path.")
     for i, (flag, out) in enumerate(given):
         for flag2, out2 in given[i + 1:]:
-            if _same(out, out2):
+            if _same(out, out2) and not _char_device(out):     # two outputs into /dev/null (or a terminal) harm none
                 raise MambaDebugError(f"{flag} and {flag2} both name {out}; give each output its own path")

@@ -540,3 +540,15 @@ def test_export_gguf_into_a_pipe_is_refused_and_the_pipe_kept(tmp_path, folder, 
     rc, _, err = _run(capsys, "export-gguf", "--model", folder, "--out", fifo)
     assert rc == 2 and "is a device or a pipe; export-gguf reads the GGUF back" in err
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_two_outputs_into_dev_null_run_and_two_into_one_file_are_refused(tmp_path, folder, capsys):
+    """`--json /dev/null --trace /dev/null` (keep only the exit code and the printed report) was refused as two
+    outputs naming one file; a device takes both. Two outputs into one regular file are still refused."""
+    import stat
+    rc, out, err = _run(capsys, "compare", "--model", folder, "--json", "/dev/null", "--trace", "/dev/null", *FAST)
+    assert rc in (0, 1) and "both name" not in err and out.strip(), err
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    f = tmp_path / "r.json"
+    rc, _, err = _run(capsys, "compare", "--model", folder, "--json", f, "--trace", f, *FAST)
+    assert rc == 2 and f"--json and --trace both name {f}" in err and not f.exists()
