@@ -287,8 +287,9 @@ class Runner:
     def prefill(self, tokens: torch.Tensor, ubatch: int) -> torch.Tensor:
         """Process a prompt [S, P] from fresh states in ceil(P/ubatch) ubatches; logits [S, P, V]."""
         tokens = check_tokens(tokens, self.cfg.vocab_size)
-        if not isinstance(ubatch, int) or ubatch < 1:
+        if not _is_integer(ubatch) or ubatch < 1:
             raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {ubatch!r}")
+        ubatch = int(ubatch)
         self.reset(tokens.shape[0])
         chunks = [self.forward(tokens[:, i:i + ubatch]) for i in range(0, tokens.shape[1], ubatch)]
         return torch.cat(chunks, dim=1)

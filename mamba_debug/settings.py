@@ -19,7 +19,7 @@ from .arch import all_sites
 from .config import ModelConfig
 from .errors import MambaDebugError
 from .placement import RULES, Placement
-from .settings_checks import check_numbers
+from .settings_checks import check_layers, check_numbers, plain
 
 DEFAULT_UBATCH = 512
 DEVICES = ("cuda", "interpret", "cpu")
@@ -92,11 +92,8 @@ class RunSettings:
     free_run: bool = True                # also let the device side generate on its own (text view); no flag
 
     def __post_init__(self):
-        # lists given by callers become tuples: the settings must stay hashable
-        for name in LIST_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
-                object.__setattr__(self, name, tuple(value))
+        for f in dataclasses.fields(self):      # lists become tuples (the settings must stay hashable), numpy's
+            object.__setattr__(self, f.name, plain(f.name, getattr(self, f.name)))     # scalars Python's
         if self.device == "auto":
             object.__setattr__(self, "device", None)
 
@@ -107,10 +104,6 @@ class RunSettings:
         """The one check of every field against the model; returns the settings with offload and device resolved
         (offload None -> every block and the head, like -ngl 99; device None -> cuda or interpret)."""
         check_numbers(self)                 # finite, typed, in range: before any comparison with them
-        if not isinstance(self.ubatch, int) or self.ubatch < 1:
-            raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {self.ubatch!r}")
-        if not isinstance(self.n_seqs, int) or self.n_seqs < 1:
-            raise MambaDebugError(f"n_seqs must be an integer >= 1, got {self.n_seqs!r}")
         resolve_ref_device(self.ref_device)
         if self.reference not in REFERENCES + ("fp64",):
             raise MambaDebugError(f"unknown reference precision {self.reference!r}: use float32 or float64")
@@ -120,10 +113,7 @@ class RunSettings:
         for s in self.capture_sites or ():
             if s not in sites:
                 raise MambaDebugError(f"unknown site name {s!r}; the sites are {', '.join(sites)}")
-        for layer in self.capture_layers or ():
-            if not 0 <= int(layer) < cfg.n_layer:
-                raise MambaDebugError(f"capture layer {layer} out of range: the model's layers are "
-                                      f"0..{cfg.n_layer - 1}")
+        check_layers(self.capture_layers, cfg.n_layer)
         if self.engine not in ENGINES:
             raise MambaDebugError(f"unknown engine {self.engine!r}: choose one of {ENGINES}")
         if self.engine == "llama.cpp" and self.repeat > 1:

@@ -1,11 +1,19 @@
-"""The numeric fields of `RunSettings`, checked once by `RunSettings.validated`: finite, of the right type, in
-range (a NaN compares False with every bound, so `k_floor=nan` would otherwise pass `k_floor <= 1` and no site
-could ever diverge)."""
+"""The fields of `RunSettings`: `plain` makes numpy scalars and comma strings the Python values they stand for
+when the settings are made; `check_numbers` checks them once in `RunSettings.validated`: finite, of the right type,
+in range (a NaN compares False with every bound, so `k_floor=nan` would otherwise pass `k_floor <= 1` and no site
+could ever diverge), flags True or False (`local="no"` is truthy)."""
 from __future__ import annotations
 
 import math
+import numbers
+
+import numpy as np
 
 from .errors import MambaDebugError
+
+INT_FIELDS = ("offload", "ubatch", "n_seqs", "n_gen", "repeat")
+FLOAT_FIELDS = ("k_floor", "memory_budget_mb")
+BOOL_FIELDS = ("local", "op_offload", "fp32_everywhere", "free_run")
 
 # Generated tokens of one run (compare's --n-gen, generate's --n-gen): each is a step of its own through every side,
 # so a debugging run needs tens; far more is a typo that would run for hours.
@@ -19,13 +27,13 @@ def _number(name: str, v, low: float, high: float = math.inf, flag: str | None =
 
 
 def _count(name: str, v, low: int, flag: str):
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+    if _is_bool(v) or not isinstance(v, numbers.Integral) or v < low:
         raise MambaDebugError(f"{name} ({flag}) must be an integer >= {low}, got {v!r}")
 
 
 def n_gen_problem(v, flag: str = "--n-gen"):
     """What is wrong with a number of generated tokens (None: nothing); the one wording for the flag and the API."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    if _is_bool(v) or not isinstance(v, numbers.Integral) or v < 0:
         return f"{flag} must be an integer >= 0, got {v!r}"
     if v > N_GEN_MAX:
         return (f"{flag} {v} is over the limit of {N_GEN_MAX} generated tokens (each one is a step of its own; a "
@@ -39,7 +47,57 @@ def check_n_gen(v, flag: str = "--n-gen") -> None:
         raise MambaDebugError(problem)
 
 
+def plain(name: str, v):
+    """A field's value as the Python type it stands for: numpy's scalars (a slider's or np.arange's values) as int,
+    float or bool, so the settings equal and hash like the same settings typed by hand; a comma string for a list
+    (`devices="cuda:0,cuda:1"`) as its items, not its characters. Anything else is left for the checks to name."""
+    if name in ("devices", "tensor_split", "capture_sites", "capture_layers") and isinstance(v, str):
+        v = tuple(int(x) if name == "capture_layers" and x.strip().isdigit() else x.strip() for x in v.split(","))
+    if name in ("devices", "tensor_split", "capture_sites", "capture_layers") and v is not None:
+        try:
+            v = tuple(v)                            # an array, a list
+        except TypeError:
+            raise MambaDebugError(f"{name} must be a list (or a comma string), got {v!r}") from None
+    if name == "tensor_split" and v is not None:
+        return tuple(_share(x) for x in v)
+    if name == "capture_layers" and v is not None:
+        return tuple(plain("offload", x) for x in v)
+    if name in INT_FIELDS and isinstance(v, numbers.Integral) and not _is_bool(v):
+        return int(v)
+    if name in FLOAT_FIELDS and isinstance(v, numbers.Real) and not _is_bool(v):
+        return float(v)
+    if name in BOOL_FIELDS and _is_bool(v):
+        return bool(v)
+    return v
+
+
+def _share(x):
+    try:
+        return x if _is_bool(x) else float(x)
+    except (TypeError, ValueError):
+        return x                                    # named by placement.check_split
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, (bool, np.bool_))
+
+
+def check_layers(layers, n_layer: int) -> None:
+    for layer in layers or ():
+        if _is_bool(layer) or not isinstance(layer, int):
+            raise MambaDebugError(f"capture layer {layer!r} is not a layer number: give integers 0..{n_layer - 1}")
+        if not 0 <= layer < n_layer:
+            raise MambaDebugError(f"capture layer {layer} out of range: the model's layers are 0..{n_layer - 1}")
+
+
 def check_numbers(s) -> None:
+    for name in BOOL_FIELDS:
+        if not isinstance(getattr(s, name), bool):
+            raise MambaDebugError(f"{name} must be True or False, got {getattr(s, name)!r}")
+    if _is_bool(s.ubatch) or not isinstance(s.ubatch, int) or s.ubatch < 1:
+        raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {s.ubatch!r}")
+    if _is_bool(s.n_seqs) or not isinstance(s.n_seqs, int) or s.n_seqs < 1:
+        raise MambaDebugError(f"n_seqs must be an integer >= 1, got {s.n_seqs!r}")
     check_n_gen(s.n_gen, "n_gen (--n-gen)")
     _number("k_floor", s.k_floor, 1.0, 1e12, "--k-floor")
     _number("memory_budget_mb", s.memory_budget_mb, 0.0, 1e9, "--memory-budget-mb")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -236,3 +237,32 @@ def test_prompt_ids_of_any_integer_kind_give_one_answer(small_model):
     runs = [md.run_compare(small_model, ids, s) for ids in ([1, 2, 3], (1, 2, 3), np.array([1, 2, 3], np.int32),
                                                            torch.tensor([1, 2, 3]), iter([1, 2, 3]), range(1, 4))]
     assert all(torch.equal(r.tokens, runs[0].tokens) for r in runs)
+
+
+def test_settings_take_numpy_values_and_comma_strings_and_refuse_truthy_strings(small_model):
+    """An API user's values from numpy (np.arange offloads, a slider's np.int64, np.float32, np.bool_) were refused
+    as 'must be an integer, got np.int64(8)'; `devices="cpu"` ran as the devices 'c', 'p', 'u'; `local="no"` and
+    `ubatch=True` were taken (truthy, and bool is an int). Now numpy scalars are the Python values they stand for
+    (equal and hashing like the same settings typed by hand), a comma string is its items, and a flag that is not
+    True or False, a bool count and a layer that is not an integer are refused naming the field."""
+    typed = md.RunSettings(offload=3, ubatch=8, n_gen=2, k_floor=5.0, local=False, capture_layers=(0, 1),
+                           devices=("cpu", "cpu"), tensor_split=(3.0, 1.0))
+    made = md.RunSettings(offload=np.int32(3), ubatch=np.uint64(8), n_gen=np.int64(2), k_floor=np.float32(5),
+                          local=np.bool_(False), capture_layers=np.array([0, 1]), devices="cpu,cpu",
+                          tensor_split="3,1")
+    assert made == typed and hash(made) == hash(typed) and type(made.ubatch) is int
+    assert md.RunSettings(capture_layers="0,3").capture_layers == (0, 3)
+    for kw, said in ((dict(local="no"), "local must be True or False, got 'no'"),
+                     (dict(free_run="yes"), "free_run must be True or False"),
+                     (dict(ubatch=True), "ubatch must be an integer >= 1 (like -ub), got True"),
+                     (dict(n_seqs=np.bool_(True)), "n_seqs must be an integer >= 1"),
+                     (dict(capture_layers=("a",)), "capture layer 'a' is not a layer number: give integers 0..3"),
+                     (dict(capture_layers=(1.5,)), "capture layer 1.5 is not a layer number")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            md.RunSettings(**kw).validated(small_model.config)
+    with pytest.raises(MambaDebugError, match="devices must be a list"):
+        md.RunSettings(devices=5)
+    res = md.run_compare(small_model, [1, 2, 3, 4, 5, 6], md.RunSettings(kernels="torch", ubatch=np.int64(4),
+                                                                         n_gen=np.int64(1)))
+    assert res.settings.ubatch == 4
+    assert small_model.generate(torch.tensor([[1, 2, 3]]), np.int64(2)).shape == (1, 2)
