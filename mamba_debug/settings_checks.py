@@ -26,9 +26,10 @@ def _number(name: str, v, low: float, high: float = math.inf, flag: str | None =
         raise MambaDebugError(f"{name} ({flag}) must be a finite number in ({low:g}, {high:g}], got {v!r}")
 
 
-def _count(name: str, v, low: int, flag: str):
+def check_count(name: str, v, low: int, flag: str | None = None):
     if _is_bool(v) or not isinstance(v, numbers.Integral) or v < low:
-        raise MambaDebugError(f"{name} ({flag}) must be an integer >= {low}, got {v!r}")
+        named = f"{name} ({flag})" if flag else name
+        raise MambaDebugError(f"{named} must be an integer >= {low}, got {v!r}")
 
 
 def n_gen_problem(v, flag: str = "--n-gen"):
@@ -101,9 +102,9 @@ def check_numbers(s) -> None:
     check_n_gen(s.n_gen, "n_gen (--n-gen)")
     _number("k_floor", s.k_floor, 1.0, 1e12, "--k-floor")
     _number("memory_budget_mb", s.memory_budget_mb, 0.0, 1e9, "--memory-budget-mb")
-    _count("repeat", s.repeat, 1, "--repeat")
+    check_count("repeat", s.repeat, 1, "--repeat")
     if s.offload is not None:
-        _count("offload", s.offload, 0, "--offload")
+        check_count("offload", s.offload, 0, "--offload")
     for name, flag in (("capture_layers", "--layers"), ("capture_sites", "--sites")):
         value = getattr(s, name)
         if value is not None and len(value) == 0:

@@ -68,3 +68,24 @@ def test_a_new_run_reaches_the_page_status_first_then_the_views_in_screen_order(
     t = dash.timings
     assert t["run_ms"] < t["first_view_ms"] < t["update_ms"]
     assert "first view at" in dash.w_timing.value
+
+
+def test_dashboard_arguments_are_refused_naming_them_not_clamped_by_a_slider():
+    """offload=-1 showed offload 0 and ubatch=0 the whole prompt (the sliders clamped them); n_seqs=0 was an
+    ipywidgets TraitError; an empty prompt a ValueError. numpy's integers are taken."""
+    pytest.importorskip("ipywidgets", reason="the dashboard needs ipywidgets (requirements-lab.txt)")
+    import numpy as np
+    from mamba_debug import MambaDebugError
+    from mamba_debug.dashboard import Dashboard
+    model = random_model(n_layer=2)
+    for kw, said in ((dict(offload=-1), "offload must be an integer >= 0, got -1"),
+                     (dict(ubatch=0), "ubatch must be an integer >= 1, got 0"),
+                     (dict(n_seqs=0), "n_seqs must be an integer >= 1, got 0"),
+                     (dict(dpi="x"), "dpi must be an integer >= 1"),
+                     (dict(prompt=[]), "prompt is empty"),
+                     (dict(prompt=[1.5]), "prompt_ids must be integer token ids")):
+        kw.setdefault("prompt", [1, 2, 3])
+        with pytest.raises(MambaDebugError, match=said):
+            Dashboard(model, kw.pop("prompt"), kernels="torch", autorun=False, **kw)
+    d = Dashboard(model, [1, 2, 3, 4], kernels="torch", offload=np.int64(1), ubatch=np.int64(2), n_gen=1)
+    assert d.result.settings.offload == 1 and d.result.settings.ubatch == 2

@@ -42,7 +42,7 @@ from ..views.blit import StaticLayer
 from ..views.summary import verdict
 from .controls import (Controls, error_html, in_kernel, llama_cpp_unavailable_html, snapshot_html, status_html,
                        timing_html)
-from .state import (DashState, Prompt, RunCache, dashboard_settings, encode_prompts, engine_settings,
+from .state import (DashState, Prompt, RunCache, check_args, dashboard_settings, encode_prompts, engine_settings,
                     llama_cpp_problem)
 from .sweep_panel import SweepPanel, guarded
 
@@ -74,6 +74,7 @@ class Dashboard(SweepPanel):
                  result: Union[CompareResult, Sequence[CompareResult], None] = None, sweep: Optional[dict] = None,
                  autorun: bool = True, max_cached_runs: int = 32, dpi: int = DPI, engine: str = "torch",
                  llama_lib: Optional[str] = None, llama_device: str = "cpu"):
+        check_args(offload, ubatch, n_seqs, dpi, max_cached_runs)
         self.model = model
         self.n_layer = model.config.n_layer
         self.prompts, self.prompt_ids = encode_prompts(model, prompt)

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from ..compare import run_compare
+from ..errors import MambaDebugError
+from ..model import prompt_list
 from ..settings import RunSettings
+from ..settings_checks import check_count
 from ..sweep import same_run_offloads
 from ..trace import find_first_divergence
 from ..views.base import ViewState
@@ -30,13 +33,26 @@ def encode_prompts(model, prompt: Prompt) -> tuple:
     elif len(prompt) and all(isinstance(p, str) for p in prompt):
         texts = list(prompt)
     else:
-        ids = [int(t) for t in prompt]
+        ids = prompt_list(prompt)
+        if not ids:
+            raise MambaDebugError("prompt is empty: give text, token ids or a list of texts")
         return [model.decode(ids)[:60]], [ids]
     ids = [model.encode(t) for t in texts]
     for t, i in zip(texts, ids):
         if not i:
-            raise ValueError(f"prompt {t!r} encodes to no tokens")
+            raise MambaDebugError(f"prompt {t!r} encodes to no tokens; give text with at least one token")
     return texts, ids
+
+
+def check_args(offload, ubatch, n_seqs, dpi, max_cached_runs) -> None:
+    """The dashboard's numbers, refused naming the argument: its sliders would clamp them instead (offload=-1 showed
+    offload 0, ubatch=0 the whole prompt; n_seqs=0 was an ipywidgets TraitError)."""
+    for name, v, low in (("offload", offload, 0), ("ubatch", ubatch, 1)):
+        if v is not None:
+            check_count(name, v, low)
+    check_count("n_seqs", n_seqs, 1)
+    check_count("dpi", dpi, 1)
+    check_count("max_cached_runs", max_cached_runs, 0)
 
 
 @dataclass(frozen=True)
