@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import MambaDebugError
 from .metric_block import METRICS
 from .triton_env import exec_file, mode
 
@@ -39,6 +40,7 @@ def site_errors(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]
 
     A CUDA ref: the fused Triton kernel (`fused_site_errors`); otherwise the torch version. See the module
     docstring."""
+    dev, ref = _pair(dev, ref, "site_errors", "[S, T, ...]", 2)
     if ref.is_cuda:
         return fused_site_errors(dev, ref)
     return _site_errors_torch(dev, ref)
@@ -188,6 +190,7 @@ def _stacked(pairs: list) -> list:
 def nmse(a: torch.Tensor, b: torch.Tensor) -> float:
     """Normalised mean squared error of a against b, in float64 (llama.cpp's test-backend-ops measure); inf if a
     holds a NaN or Inf."""
+    a, b = _pair(a, b, "nmse", "", 0)
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if not torch.isfinite(a).all():
         return math.inf
@@ -196,6 +199,7 @@ def nmse(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def logit_stats(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
     """dev, ref logits [S, T, V] -> kld, top1 (1.0 when the argmax agrees), rms_dp, each [S, T] on ref's device."""
+    dev, ref = _pair(dev, ref, "logit_stats", "[..., V]", 1)
     a = dev.detach().to(ref.device, torch.float64)
     b = ref.detach().to(torch.float64)
     log_p, log_q = torch.log_softmax(b, -1), torch.log_softmax(a, -1)
@@ -204,6 +208,16 @@ def logit_stats(dev: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]
     kld = torch.where(torch.isfinite(kld), kld.clamp_min(0), torch.full_like(kld, math.inf))
     return {"kld": kld, "top1": (a.argmax(-1) == b.argmax(-1)).double(),
             "rms_dp": (log_q.exp() - p).pow(2).mean(-1).sqrt()}
+
+
+def _pair(a, b, fn: str, shape: str, min_dim: int) -> tuple:
+    """The public metrics' two inputs as tensors (numpy arrays taken) of one shape with at least min_dim dimensions,
+    none of them 0: refused naming the function instead of a broadcasting error deep inside it."""
+    a, b = (x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (a, b))
+    if a.shape != b.shape or a.dim() < min_dim or (min_dim and 0 in a.shape):
+        need = f" {shape}, no size 0" if min_dim else ""
+        raise MambaDebugError(f"{fn} needs two tensors of one shape{need}; got {list(a.shape)} and {list(b.shape)}")
+    return a, b
 
 
 def perplexity(logits: torch.Tensor, tokens: torch.Tensor) -> float:

@@ -266,3 +266,17 @@ def test_settings_take_numpy_values_and_comma_strings_and_refuse_truthy_strings(
                                                                          n_gen=np.int64(1)))
     assert res.settings.ubatch == 4
     assert small_model.generate(torch.tensor([[1, 2, 3]]), np.int64(2)).shape == (1, 2)
+
+
+def test_public_metrics_refuse_mismatched_shapes_naming_the_function_and_take_numpy():
+    """md.nmse / md.site_errors / md.logit_stats of two shapes were torch broadcasting errors from inside them (or an
+    IndexError for an empty site); numpy arrays an AttributeError."""
+    a = torch.randn(2, 3, 4, dtype=torch.float64)
+    for fn, args, said in ((md.nmse, (a, a[:1]), "nmse needs two tensors of one shape; got [2, 3, 4] and [1, 3, 4]"),
+                           (md.site_errors, (a, a[:, :2]), "site_errors needs two tensors of one shape [S, T, ...]"),
+                           (md.site_errors, (torch.zeros(0), torch.zeros(0)), "no size 0; got [0] and [0]"),
+                           (md.logit_stats, (a, a[..., :3]), "logit_stats needs two tensors of one shape [..., V]")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            fn(*args)
+    assert md.nmse(a.numpy(), a.numpy()) == 0.0
+    assert md.site_errors(a.numpy(), a.numpy())["rel_l2"].shape == (2, 3)
