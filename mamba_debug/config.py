@@ -27,7 +27,10 @@ ssm_state [H, P, N]. Attention: k_cache, v_cache [tokens so far, Hk, Dh] (they g
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
+
+import numpy as np
 
 
 @dataclass
@@ -62,6 +65,7 @@ class MambaConfig:
     logits_scaling: float = 1.0         # Granite: logits / s
 
     def __post_init__(self):
+        self._plain_values()
         if self.d_inner == 0:
             self.d_inner = self.expand * self.d_model
         if self.dt_rank in (0, "auto", None):
@@ -80,6 +84,22 @@ class MambaConfig:
             self._check_mamba2()
         if "attention" in self.layer_types:
             self._check_attention()
+
+    def _plain_values(self):
+        """numpy's scalars as the Python int, float or bool a field is declared as; a bool given for a size, a
+        non-number for a float, or anything but True or False for a flag (tie_embeddings="no" is truthy: the head
+        would be tied) refused naming the field."""
+        for f in fields(self):
+            v, flag = getattr(self, f.name), isinstance(getattr(self, f.name), (bool, np.bool_))
+            if f.type == "bool" and not flag:
+                raise ValueError(f"MambaConfig.{f.name} must be True or False, got {v!r}")
+            if f.type in ("int", "float") and flag:
+                raise ValueError(f"MambaConfig.{f.name} must be a number, not {v!r}")
+            if f.type == "float" and not isinstance(v, numbers.Real):
+                raise ValueError(f"MambaConfig.{f.name} must be a number, got {v!r}")
+            kind = {"int": numbers.Integral, "float": numbers.Real, "bool": (bool, np.bool_)}.get(f.type)
+            if kind is not None and isinstance(v, kind):
+                setattr(self, f.name, {"int": int, "float": float, "bool": bool}[f.type](v))
 
     def _check_mamba2(self):
         if self.n_heads and not self.head_dim and self.d_inner % self.n_heads == 0:

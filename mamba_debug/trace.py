@@ -251,11 +251,22 @@ def load_trace(path) -> CompareResult:
                               f"to get a new trace") from exc
 
 
-def _from_file(meta, tensors: dict, path) -> CompareResult:
+def _settings(fields, path) -> RunSettings:
+    """A trace's settings, typed and in range, or the trace is refused as inconsistent (naming the setting)."""
     from .settings_checks import check_numbers  # noqa: PLC0415
+    try:
+        settings = RunSettings(**fields)
+        check_numbers(settings)
+    except MambaDebugError as exc:
+        raise MambaDebugError(f"{path}: inconsistent trace file (settings: {exc}); re-run the comparison to get a "
+                              f"new trace") from None
+    return settings
+
+
+def _from_file(meta, tensors: dict, path) -> CompareResult:
     from .trace_checks import check_judged, check_meta, check_result  # noqa: PLC0415
     check_meta(meta, tensors, path)
-    res = CompareResult(settings=RunSettings(**meta["settings"]), model_info=meta["model_info"],
+    res = CompareResult(settings=_settings(meta["settings"], path), model_info=meta["model_info"],
                         placement=Placement(*meta["placement"]),
                         sides={k: SideInfo(**v) for k, v in meta["sides"].items()},
                         layer_sites=[tuple(s) for s in meta["layer_sites"]],
@@ -279,7 +290,6 @@ def _from_file(meta, tensors: dict, path) -> CompareResult:
     res.trace_tokens = {_unkey(k): v for k, v in meta["trace_tokens"].items()}
     res.nondeterminism, res.generations = meta["nondeterminism"], meta["generations"]
     res.perplexity, res.timings = meta["perplexity"], meta["timings"]
-    check_numbers(res.settings)
     check_result(res, path)
     res.first_divergence = find_first_divergence(res)
     if "seq_token_info" in meta:

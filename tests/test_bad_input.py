@@ -280,3 +280,16 @@ def test_public_metrics_refuse_mismatched_shapes_naming_the_function_and_take_nu
             fn(*args)
     assert md.nmse(a.numpy(), a.numpy()) == 0.0
     assert md.site_errors(a.numpy(), a.numpy())["rel_l2"].shape == (2, 3)
+
+
+def test_model_config_takes_numpy_values_and_refuses_a_truthy_string_for_a_flag():
+    """`ModelConfig(tie_embeddings="no")` built a tied model ("no" is truthy) and `d_model=True` a 1-wide one;
+    `d_model=np.int64(64)` was refused as not an integer."""
+    cfg = md.ModelConfig(d_model=np.int64(64), n_layer=np.int32(2), vocab_size=50, rms_eps=np.float64(1e-5),
+                         tie_embeddings=np.bool_(False))
+    assert type(cfg.d_model) is int and cfg.d_model == 64 and cfg.tie_embeddings is False
+    for kw, said in ((dict(tie_embeddings="no"), "MambaConfig.tie_embeddings must be True or False, got 'no'"),
+                     (dict(d_model=True), "MambaConfig.d_model must be a number, not True"),
+                     (dict(rms_eps="x"), "MambaConfig.rms_eps must be a number, got 'x'")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            md.ModelConfig(**{**dict(d_model=64, n_layer=2, vocab_size=50), **kw})
