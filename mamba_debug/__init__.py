@@ -58,8 +58,15 @@ def __getattr__(name):
 
 def build_model(config: ModelConfig, params: dict, tokenizer=None, source: str = "") -> Model:
     """A model from a config and a dict of parameters (canonical names, `param_shapes(config)`), checked like a
-    checkpoint: every tensor present, of its shape and finite; stored as float64 masters."""
+    checkpoint: every tensor present, of its shape and finite, no unknown name; stored as float64 masters. A dict
+    config is read as `ModelConfig(**config)`."""
     from .io import check_params  # noqa: PLC0415
+    from .io.weights import in_memory_params  # noqa: PLC0415
+    config = ModelConfig(**config) if isinstance(config, dict) else config
+    if not isinstance(config, ModelConfig):
+        raise MambaDebugError(f"config must be a md.ModelConfig (or a dict of its fields), got a "
+                              f"{type(config).__name__}")
+    params = in_memory_params(config, params)
     return Model(config, check_params(config, params, source or "in-memory model"), tokenizer, source=source)
 
 

@@ -293,3 +293,23 @@ def test_model_config_takes_numpy_values_and_refuses_a_truthy_string_for_a_flag(
                      (dict(rms_eps="x"), "MambaConfig.rms_eps must be a number, got 'x'")):
         with pytest.raises(ValueError, match=re.escape(said)):
             md.ModelConfig(**{**dict(d_model=64, n_layer=2, vocab_size=50), **kw})
+
+
+def test_build_model_refuses_unknown_names_and_unreal_tensors_and_takes_arrays():
+    """md.build_model ignored a name it did not know (a typo's tensor dropped silently), took a complex tensor
+    (its imaginary part dropped), failed on a numpy array, a list or a dict config with an AttributeError, and on a
+    meta tensor with a RuntimeError."""
+    cfg = md.ModelConfig(d_model=16, n_layer=1, vocab_size=20)
+    params = {k: torch.full(v, 0.1, dtype=torch.float64) for k, v in md.param_shapes(cfg).items()}
+    params["layers.0.A"] = -params["layers.0.A"] - 1
+    built = md.build_model({"d_model": 16, "n_layer": 1, "vocab_size": 20},
+                           {**params, "embed": params["embed"].numpy(), "norm_f": [0.1] * 16})
+    assert torch.equal(built.logits(torch.tensor([[1, 2]])), md.build_model(cfg, params).logits(torch.tensor([[1, 2]])))
+    for changed, said in (({"layers.0.A_log": params["layers.0.A"]}, "unknown tensor name(s) layers.0.A_log"),
+                          ({"norm_f": torch.ones(16, dtype=torch.complex64)}, "norm_f is torch.complex64"),
+                          ({"norm_f": torch.ones(16, device="meta")}, "norm_f is torch.float32 on meta"),
+                          ({"norm_f": "x"}, "norm_f is a str, not a tensor")):
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            md.build_model(cfg, {**params, **changed})
+    with pytest.raises(MambaDebugError, match="params must be a dict of canonical name -> tensor"):
+        md.build_model(cfg, list(params.values()))

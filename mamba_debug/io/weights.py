@@ -7,6 +7,7 @@ any missing tensor, wrong shape or non-finite value and returns float64 masters.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -29,6 +30,11 @@ def check_params(cfg: ModelConfig, params: dict[str, torch.Tensor], source: str,
     out, seen = {}, {}
     for key, shape in shapes.items():
         t = params[key]
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{source}: {names.get(key, key)} is a {type(t).__name__}, not a tensor")
+        if t.is_complex() or t.dtype == torch.bool or t.is_meta:
+            raise CheckpointError(f"{source}: tensor {names.get(key, key)} is {t.dtype} on {t.device}; weights are "
+                                  f"real numbers with values (load or materialize it first)")
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{source}: tensor {names.get(key, key)} has shape {list(t.shape)} but the config "
                                   f"implies {list(shape)}. Check config.json against the weights.")
@@ -37,6 +43,30 @@ def check_params(cfg: ModelConfig, params: dict[str, torch.Tensor], source: str,
             _check_values(seen[id(t)], f"{source}: tensor {names.get(key, key)}")
         out[key] = seen[id(t)]
     return out
+
+
+def in_memory_params(cfg: ModelConfig, params) -> dict:
+    """`md.build_model`'s params as tensors: a mapping of canonical names, none unknown (a typo such as
+    `layers.0.A_log` was ignored, and only the real name reported missing, or nothing when both were given), numpy
+    arrays and lists taken (a list's Python floats as float64; one tensor per object given, so a tied head stays
+    tied)."""
+    if not isinstance(params, Mapping):
+        raise CheckpointError(f"params must be a dict of canonical name -> tensor (md.param_shapes(config) lists "
+                              f"them), got a {type(params).__name__}")
+    shapes = param_shapes(cfg)
+    unknown = [str(k) for k in params if k not in shapes]
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise CheckpointError(f"in-memory model: unknown tensor name(s) {', '.join(unknown[:5])}{more} for this "
+                              f"config; md.param_shapes(config) lists the names ({', '.join(list(shapes)[:4])}, ...)")
+    made: dict = {}
+    for v in params.values():
+        if not isinstance(v, torch.Tensor) and id(v) not in made:
+            try:
+                made[id(v)] = torch.as_tensor(v, dtype=torch.float64 if isinstance(v, (list, tuple)) else None)
+            except (TypeError, ValueError, RuntimeError):
+                made[id(v)] = v                     # named by check_params
+    return {k: made.get(id(v), v) for k, v in params.items()}
 
 
 def _check_values(t: torch.Tensor, what: str):
