@@ -205,3 +205,26 @@ def test_a_redraw_into_the_same_figure_is_a_fresh_draw(runs):
             fresh = new_figure(view.figsize)
             view.draw(fresh, *args)
             assert fig_png(live, compress_level=1) == fig_png(fresh, compress_level=1), (view.name, args[1:])
+
+
+def test_public_views_refuse_arguments_out_of_range_naming_them():
+    """From a notebook, md.views.heatmap(res, ax, seq=5) was an IndexError from inside the drawing, a metric typo a
+    KeyError, ax=None an AttributeError, and site="nope" an empty picture saying "not observed"."""
+    import re
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mamba_debug import MambaDebugError
+    res = md.run_compare(random_model(n_layer=2), [1, 2, 3, 4], md.RunSettings(kernels="torch", n_gen=1, ubatch=2))
+    fig, ax = plt.subplots()
+    for call, said in ((lambda: md.views.heatmap(res, ax, seq=1), "seq=1: this result has 1 sequence(s), 0..0"),
+                       (lambda: md.views.heatmap(res, ax, metric="rel"), "metric='rel': the metrics are rel_l2"),
+                       (lambda: md.views.heatmap(res, ax, site="nope"), "site='nope': this result's sites are"),
+                       (lambda: md.views.layer_curve(res, ax, token=5), "token=5: this result has 5 token(s), 0..4"),
+                       (lambda: md.views.state_diff(res, ax, 2, 0), "layer=2: this result has 2 layer(s), 0..1"),
+                       (lambda: md.views.logits_curve(res, None), "ax must be a matplotlib Axes"),
+                       (lambda: md.views.sweep_matrix({}, ax), "sweep must be a run_sweep result")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            call()
+    md.views.layer_curve(res, ax, token=np.int64(-1))           # numpy and negative indices as in Python
+    plt.close(fig)

@@ -15,12 +15,15 @@ zero (device and reference identical: green), not observed (hatched grey), NaN/I
 from __future__ import annotations
 
 import io
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from ..arch import MODEL_SITES
+from ..errors import MambaDebugError
+from ..metric_block import METRICS
 from ..trace import CompareResult
 
 DEVICE_SHADE = dict(color="tab:orange", alpha=0.12)
@@ -247,6 +250,26 @@ def shade_device_layers(ax, res: CompareResult, label: str = "device layers"):
     L0 = res.placement.first_device_layer
     if L0 < res.n_layer:
         ax.axvspan(L0 - 0.5, res.n_layer - 0.5, **DEVICE_SHADE, label=label)
+
+
+def check_args(res: Optional[CompareResult], ax, *, seq=0, token=None, layer=None, site=None, metric=None):
+    """A notebook's arguments to a view, refused naming them: a sequence, token or metric out of range was an
+    IndexError or KeyError from inside the drawing, an unknown site an empty picture saying "not observed"."""
+    if not (hasattr(ax, "figure") and hasattr(ax, "imshow")):
+        raise MambaDebugError(f"ax must be a matplotlib Axes (fig, ax = plt.subplots()), got a {type(ax).__name__}")
+    if res is None:
+        return
+    S, T = res.tokens.shape
+    for name, v, n, what in (("seq", seq, S, "sequence"), ("token", token, T, "token"),
+                             ("layer", layer, res.n_layer, "layer")):
+        if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral)
+                              or not -n <= v < n):
+            raise MambaDebugError(f"{name}={v!r}: this result has {n} {what}(s), 0..{n - 1}")
+    sites = MODEL_SITES + tuple(dict.fromkeys(s for layer_sites in res.layer_sites for s in layer_sites))
+    if site is not None and site not in sites:
+        raise MambaDebugError(f"site={site!r}: this result's sites are {', '.join(sites)}")
+    if metric is not None and metric not in METRICS:
+        raise MambaDebugError(f"metric={metric!r}: the metrics are {', '.join(METRICS)}")
 
 
 def site_keys(res: CompareResult, site: str) -> list:

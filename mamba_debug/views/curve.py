@@ -10,8 +10,8 @@ import numpy as np
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
 from .blit import mark_dynamic
-from .base import (BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState, clear_axes,
-                   fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message, not_observed_patch,
+from .base import (check_args, BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState,
+                   clear_axes, fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message, not_observed_patch,
                    observed_rows, site_errors, thresholds)
 
 METRIC_LABELS = {"rel_l2": "relative L2 error  ||dev - ref|| / ||ref||", "max_abs": "max |dev - ref|",
@@ -60,6 +60,7 @@ def _plot_series(ax, x, y, thr, label):
 
 def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2", seq=0):
     """Error per layer at one token (None: worst token); for a model-level site, error per token instead."""
+    check_args(res, ax, seq=seq, token=token, site=site, metric=metric)
     from matplotlib.lines import Line2D  # noqa: PLC0415
     clear_axes(ax)
     err = _values(site_errors(res, site, metric, seq), metric)

@@ -8,7 +8,7 @@ import numpy as np
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
 from .blit import mark_dynamic
-from .base import (BOUNDARY, FIRST_DIV, SPECIAL_LOOKS, TITLE_Y, View, ViewState, add_colorbar, clear_axes,
+from .base import (check_args, BOUNDARY, FIRST_DIV, SPECIAL_LOOKS, TITLE_Y, View, ViewState, add_colorbar, clear_axes,
                    fresh_axes, mark_device_boundaries, mark_ubatches, observed_rows, ratio_colorbar, ratio_norm,
                    site_errors, special_handles, special_overlay, thresholds)
 
@@ -31,6 +31,7 @@ def error_image(res: CompareResult, site: str, metric: str, seq: int):
 
 def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorbar=True, legend=True):
     """Error / threshold (rel_l2) per layer x token; other metrics on their own log scale (no threshold)."""
+    check_args(res, ax, seq=seq, site=site, metric=metric)
     img, err, ratio = error_image(res, site, metric, seq)
     clear_axes(ax)
     model_level = site in MODEL_SITES

@@ -6,11 +6,12 @@ import numpy as np
 
 from ..trace import CompareResult
 from .blit import mark_dynamic
-from .base import (EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState, clear_axes, fresh_axes,
+from .base import (check_args, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState, clear_axes, fresh_axes,
                    mark_ubatches)
 
 
 def logits_curve(res: CompareResult, ax, seq=0):
+    check_args(res, ax, seq=seq)
     from matplotlib.lines import Line2D  # noqa: PLC0415
     clear_axes(ax)
     kld = res.logits["kld"][seq].numpy().astype(float)

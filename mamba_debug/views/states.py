@@ -17,7 +17,7 @@ import numpy as np
 from ..arch import LAYER_TYPES
 from ..trace import CompareResult
 from .blit import mark_dynamic
-from .base import (EXACT_ZERO, NOT_OBSERVED, TITLE_Y, View, ViewState, add_colorbar, clear_axes, fresh_axes,
+from .base import (check_args, EXACT_ZERO, NOT_OBSERVED, TITLE_Y, View, ViewState, add_colorbar, clear_axes, fresh_axes,
                    message)
 
 # Every state a layer type declares, the SSM state first (the top row)
@@ -191,6 +191,7 @@ def _update_row(axes, got, which: str) -> np.ndarray:
 
 def state_diff(res: CompareResult, ax, layer: int, token: int, which="ssm_state", seq=0):
     """Only the difference panel (device - reference) of one state into one Axes (kept for notebooks)."""
+    check_args(res, ax, seq=seq, token=token, layer=layer, site=which)
     fig = ax.figure
     spare = [fig.add_axes([0, 0, 0.01, 0.01]) for _ in range(2)]
     state_row(res, [*spare, ax], layer, token, which, seq)

@@ -12,7 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from .base import (EXACT_ZERO, NAN_INF, SPECIAL_LOOKS, TITLE_Y, View, add_colorbar, clear_axes, fresh_axes,
+from ..errors import MambaDebugError
+from .base import (check_args, EXACT_ZERO, NAN_INF, SPECIAL_LOOKS, TITLE_Y, View, add_colorbar, clear_axes, fresh_axes,
                    message)
 
 KLD_RANGE = (1e-6, 10.0)            # the colour bar's fixed range (mean KLD); beyond it the end colours
@@ -39,6 +40,9 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
     layer and token; clean, not-run and NaN/Inf cells in their own looks."""
     from matplotlib.colors import LogNorm, to_rgba  # noqa: PLC0415
     from matplotlib.patches import Patch, Rectangle  # noqa: PLC0415
+    check_args(None, ax)
+    if not isinstance(sweep, dict) or not {"offloads", "ubatches", "cells"} <= set(sweep):
+        raise MambaDebugError("sweep must be a run_sweep result (a dict with offloads, ubatches and cells)")
     clear_axes(ax)
     offs, ubs = list(sweep["offloads"]), list(sweep["ubatches"])
     seqs = sweep.get("n_seqs") or [None]
