@@ -108,6 +108,12 @@ def replay_case(case_dir, kernels=None):
     """Run an exported case's pytest in a fresh process (optionally against another plug-in file, e.g. your fix):
     the subprocess.CompletedProcess, returncode 0 when every recorded call matches the float64 reference."""
     case_dir = Path(case_dir)
+    missing = [f for f in ("case.json", "test_case.py") if not (case_dir / f).is_file()]
+    if missing:
+        raise MambaDebugError(f"{case_dir}: not an export-case folder (no {' or '.join(missing)}); give the folder "
+                              f"`mamba-debug export-case --out DIR` wrote")
+    if kernels is not None and not Path(kernels).is_file():
+        raise MambaDebugError(f"kernels={kernels}: no such plug-in file; give the path of a .py file that defines OPS")
     env = dict(os.environ, **({"MAMBA_DEBUG_KERNELS": str(kernels)} if kernels else {}))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(case_dir / "test_case.py")], capture_output=True, text=True, cwd=case_dir, env=env)

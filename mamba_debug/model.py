@@ -160,6 +160,13 @@ def once_per_tensor(params: dict, fn) -> dict:
     return {k: done[id(v)] if id(v) in done else done.setdefault(id(v), fn(v)) for k, v in params.items()}
 
 
+def require_model(model, fn: str) -> None:
+    """A public function's model argument, refused naming the function (an AttributeError on None before)."""
+    if not isinstance(model, Model):
+        raise MambaDebugError(f"{fn} takes a model (md.load_model() or md.build_model(...)), got a "
+                              f"{type(model).__name__}")
+
+
 def prompt_list(prompt_ids) -> list:
     """One prompt's token ids as a list of ints, from a list, tuple, iterator, 1-D array or tensor of integers (the
     API's `prompt_ids`); text, several rows, non-integers and ids beyond int64 are refused naming what was given."""

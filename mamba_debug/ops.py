@@ -13,6 +13,8 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from .errors import MambaDebugError
+
 OP_NAMES = ("rms_norm", "linear", "silu", "ssm_conv", "ssm_scan", "ssd_scan", "rms_norm_gated", "attention",
             "transfer")
 
@@ -313,7 +315,7 @@ def example_inputs(op: str, *, S: int = 2, T: int = 16, D: int = 64, N: int = 8,
         return (r(S, T, D),)
     if op == "transfer":
         return r(S, T, D), torch.device("cpu")
-    raise KeyError(f"no example inputs for op {op!r}; ops: {OP_NAMES}")
+    raise MambaDebugError(f"no example inputs for op {op!r}; the ops are {', '.join(OP_NAMES)}")
 
 
 class OpTable:

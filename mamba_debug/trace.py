@@ -117,6 +117,13 @@ class CompareResult:
         return self.errors[key]["rel_l2"] > self.thresholds[key]
 
 
+def require_result(res, fn: str) -> None:
+    """A public function's result argument, refused naming the function (an AttributeError on None before)."""
+    if not isinstance(res, CompareResult):
+        raise MambaDebugError(f"{fn} takes a CompareResult (md.run_compare's or md.load_trace's), got a "
+                              f"{type(res).__name__}")
+
+
 def thresholds_from_floor(floor: dict, k: float) -> dict:
     out = {}
     for key, f in floor.items():
@@ -196,6 +203,7 @@ def _unkey(text: str):
 
 def save_trace(res: CompareResult, path) -> Path:
     from safetensors.torch import save_file  # noqa: PLC0415
+    require_result(res, "save_trace")
 
     tensors = {"tokens": res.tokens.contiguous()}
     for k, m in res.errors.items():

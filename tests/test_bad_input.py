@@ -313,3 +313,24 @@ def test_build_model_refuses_unknown_names_and_unreal_tensors_and_takes_arrays()
             md.build_model(cfg, {**params, **changed})
     with pytest.raises(MambaDebugError, match="params must be a dict of canonical name -> tensor"):
         md.build_model(cfg, list(params.values()))
+
+
+def test_public_functions_refuse_a_wrong_first_argument_naming_themselves(tmp_path):
+    """None or another type where a result or a model goes was an AttributeError from inside; replay_case of a
+    folder that is no case ran pytest there; describe_gguf of a text file was a numpy ValueError; example_inputs of
+    an unknown op a KeyError."""
+    for call, said in ((lambda: md.summary(None), "summary takes a CompareResult"),
+                       (lambda: md.to_json("x"), "to_json takes a CompareResult"),
+                       (lambda: md.write_report(None, tmp_path / "r.html"), "write_report takes a CompareResult"),
+                       (lambda: md.save_trace(None, tmp_path / "t.safetensors"), "save_trace takes a CompareResult"),
+                       (lambda: md.save_hf(None, tmp_path / "m"), "save_hf takes a model"),
+                       (lambda: md.export_gguf(None, tmp_path / "m.gguf"), "export_gguf takes a model"),
+                       (lambda: md.replay_case(tmp_path), "not an export-case folder (no case.json or test_case.py)"),
+                       (lambda: md.example_inputs("nope"), "no example inputs for op 'nope'; the ops are rms_norm")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            call()
+    text = tmp_path / "notes.txt"
+    text.write_text("not a gguf at all, but long enough to hold a header's first fields")
+    with pytest.raises(CheckpointError, match="does not start with b'GGUF'"):
+        md.describe_gguf(text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]         # nothing written or run there

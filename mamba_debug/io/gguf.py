@@ -332,6 +332,9 @@ def describe_gguf(path, notes=()) -> str:
     (the exported model's `model.notes`: what its loader did not carry over) are listed last."""
     gguf = _gguf()
     path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such GGUF file")
+    check_gguf_header(path)                  # a file that is not a GGUF, or a damaged one, named as such
     reader = gguf.GGUFReader(str(path), "r")
     f = lambda k: (reader.get_field(k).contents() if reader.get_field(k) is not None else None)  # noqa: E731
     counts: dict[str, int] = {}

@@ -28,7 +28,7 @@ from ..arch import param_shapes
 from ..config import ModelConfig
 from ..errors import CheckpointError, MambaDebugError
 from ..limits import check_config_values
-from ..model import MambaModel
+from ..model import MambaModel, require_model
 from . import gguf as gguf1
 from .gguf_header import check_gguf_header
 from .gguf_vocab import add_vocab, read_tokenizer, tokenizer_vocab
@@ -65,6 +65,7 @@ def _file_shape(key: str, shape: tuple, cfg: ModelConfig) -> tuple:
 # -- writing ----------------------------------------------------------------------------------------
 def export_gguf(model: MambaModel, out_path, dtype: str = "f32") -> Path:
     """Write `model` as a llama.cpp GGUF: `mamba` (Mamba-1, io.gguf) or `mamba2`."""
+    require_model(model, "export_gguf")
     c = model.config
     if set(c.layer_types) == {"mamba1"}:
         return gguf1.export_gguf(model, out_path, dtype)

@@ -19,7 +19,7 @@ from ..arch import param_shapes
 from ..config import MambaConfig
 from ..errors import CheckpointError
 from ..limits import check_config_values, check_weight_bytes
-from ..model import MambaModel
+from ..model import MambaModel, require_model
 from ..safeio import atomic_path, write_text
 from . import hf_mamba2
 from .hf_files import check_extra_tensors, weights_files
@@ -239,6 +239,7 @@ def save_hf(model: MambaModel, folder, dtype: torch.dtype = torch.float32) -> Pa
     `load_model` and transformers read it back."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
+    require_model(model, "save_hf")
     c, folder = model.config, Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if set(c.layer_types) != {"mamba1"}:                     # Mamba2ForCausalLM / GraniteMoeHybridForCausalLM

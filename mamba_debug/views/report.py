@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..safeio import write_text
-from ..trace import CompareResult
+from ..trace import CompareResult, require_result
 from .base import REPORT_DPI, SCREEN_DPI, fig_png, new_figure
 from .registry import VIEWS
 from .summary import engine_local, summary, to_json
@@ -54,6 +54,7 @@ def sections(res: CompareResult) -> list[str]:
 
 def write_report(res: CompareResult, path, extra: tuple = ()) -> Path:
     """extra: (title, HTML) sections put before the views (the three-way table)."""
+    require_result(res, "write_report")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = to_json(res)

@@ -11,7 +11,8 @@ import math
 import torch
 
 from ..arch import MODEL_SITES
-from ..trace import RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, json_safe, nanmax, worst_excess
+from ..trace import (RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, json_safe, nanmax, require_result,
+                     worst_excess)
 
 
 def _err(res: CompareResult, key):
@@ -20,6 +21,7 @@ def _err(res: CompareResult, key):
 
 
 def per_layer(res: CompareResult) -> list[dict]:
+    require_result(res, "per_layer")
     rows = []
     for i in range(res.n_layer):
         sites, first_bad, worst = {}, None, (0.0, None)
@@ -65,6 +67,7 @@ def split_config(p) -> dict:
 
 
 def to_json(res: CompareResult) -> dict:
+    require_result(res, "to_json")
     s = res.settings
     lg = res.logits
     fd = res.first_divergence
@@ -108,6 +111,7 @@ def not_observed(res: CompareResult) -> list:
 
 
 def verdict(res: CompareResult) -> str:
+    require_result(res, "verdict")
     fd = res.first_divergence
     if fd is None and res.precision:
         return f"no divergence beyond precision: {res.precision['text']}"
@@ -128,6 +132,7 @@ def verdict(res: CompareResult) -> str:
 
 
 def summary(res: CompareResult) -> str:
+    require_result(res, "summary")
     j = to_json(res)
     c, lg = j["config"], j["logits"]
     lines = [f"model     {res.model_info.get('source') or 'in memory'}: {c['n_layer']} layers",
