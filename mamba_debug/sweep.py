@@ -21,6 +21,7 @@ from .errors import MambaDebugError
 from .model import Model, prompt_list
 from .plugins import load_plugin
 from .settings import RunSettings, resolve_device
+from .settings_checks import check_count, plain
 from .trace import json_num
 
 
@@ -33,6 +34,17 @@ def sweep_cell(res) -> dict:
             "first_layer": None if fd is None else fd["layer"], "kld_mean": json_num(kld.mean()),
             "kld_max": json_num(kld.max()), "top1_agreement": json_num(res.logits["top1"].mean()),
             "seconds": res.timings.get("compare_s")}
+
+
+def _axis(name: str, values) -> list:
+    """One axis of the grid as a list, each value once in the order given (a repeated value ran its cells twice
+    and drew them twice); a string (its characters were read as the values) or an empty axis refused."""
+    if isinstance(values, (str, bytes)):
+        raise MambaDebugError(f"{name} must be a list of integers (e.g. [1, 8, 32] or range(0, 14)), not a string")
+    out = list(dict.fromkeys(plain("offload", v) for v in values))
+    if not out:
+        raise MambaDebugError(f"{name} is empty: give at least one value")
+    return out
 
 
 def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[Iterable[int]] = None,
@@ -48,8 +60,12 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
 
     prompt_ids = prompt_list(prompt_ids)            # an iterator is read once, here
     L = model.config.n_layer
-    offloads = list(range(0, L + 2)) if offloads is None else list(offloads)
-    ubatches, n_seqs_list = list(ubatches), list(n_seqs_list)
+    if not isinstance(base, RunSettings):
+        raise MambaDebugError(f"base must be a md.RunSettings (every cell's settings but offload, ubatch and "
+                              f"n_seqs), got a {type(base).__name__}")
+    check_count("workers", workers, 1)
+    offloads = _axis("offloads", range(0, L + 2) if offloads is None else offloads)
+    ubatches, n_seqs_list = _axis("ubatches", ubatches), _axis("n_seqs_list", n_seqs_list)
     grid = [(s, u, o) for s in n_seqs_list for u in ubatches for o in offloads]
     runs = _runs_for(model, base, offloads)
     jobs = [base.replace(offload=o, ubatch=u, n_seqs=s, capture="metrics", free_run=False)

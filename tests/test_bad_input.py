@@ -334,3 +334,21 @@ def test_public_functions_refuse_a_wrong_first_argument_naming_themselves(tmp_pa
     with pytest.raises(CheckpointError, match="does not start with b'GGUF'"):
         md.describe_gguf(text)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]         # nothing written or run there
+
+
+def test_run_sweep_axes_are_lists_of_distinct_integers_and_its_base_and_workers_checked(small_model):
+    """ubatches="1,8" ran the 'ubatches' '1', ',' and '8' (refused only as "got '1'"); an empty axis made an empty
+    sweep; a repeated offload ran and drew its cells twice; workers="2" was a TypeError and base=None an
+    AttributeError."""
+    from mamba_debug.sweep import run_sweep
+    base = md.RunSettings(kernels="torch", n_gen=0)
+    for kw, said in ((dict(ubatches="1,8"), "ubatches must be a list of integers (e.g. [1, 8, 32] or range(0, 14))"),
+                     (dict(offloads=[]), "offloads is empty: give at least one value"),
+                     (dict(workers="2"), "workers must be an integer >= 1, got '2'"),
+                     (dict(base=None), "base must be a md.RunSettings")):
+        args = dict(base=base, offloads=[0], ubatches=[2], progress=False) | kw
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            run_sweep(small_model, [1, 2, 3, 4], **args)
+    sw = run_sweep(small_model, [1, 2, 3, 4], base, offloads=[1, np.int64(1), 1], ubatches=np.array([2]),
+                   progress=False)
+    assert sw["offloads"] == [1] and sw["ubatches"] == [2] and len(sw["cells"]) == 1
