@@ -25,8 +25,8 @@ from .backends import cpu_backend, cpu_threads_for, device_backends, reference_b
 from .budget import check_budget, check_gpu_memory, check_host_memory, give_back_freed_heap
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .gc_scope import young_only
-from .model import Model, Runner, check_tokens, prompt_list
-from .settings import K_FLOOR, RunSettings, resolve_ref_device
+from .model import Model, Runner, check_tokens, prompt_list, require_model
+from .settings import K_FLOOR, RunSettings, as_settings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
 from .accumulate import Accumulator, merge_groups
 from .refcheck import check_reference
@@ -53,8 +53,9 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
     ref_cache: a dict shared by runs that differ only in offload/kernels/device (a sweep): the reference
     sides do not depend on them, so they are computed once and read back from the cache.
     """
+    require_model(model, "run_compare")
     cfg = model.config
-    s = (settings or RunSettings()).validated(cfg)
+    s = as_settings(settings, "run_compare").validated(cfg)
     placement = s.placement(cfg.n_layer)
     tokens = check_tokens(sequence_prompts(prompt_list(prompt_ids), s.n_seqs, cfg.vocab_size), cfg.vocab_size)
     check_budget(cfg, s, tokens.shape[1] + s.n_gen)

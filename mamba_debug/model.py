@@ -198,8 +198,14 @@ def _is_integer(x) -> bool:
 
 
 def check_tokens(tokens, vocab_size: int) -> torch.Tensor:
+    if isinstance(tokens, (str, bytes)):
+        raise MambaDebugError("tokens are text; pass token ids, e.g. model.encode(text)")
     if not isinstance(tokens, torch.Tensor):
-        tokens = torch.as_tensor(tokens)
+        try:
+            tokens = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise MambaDebugError(f"tokens must be token ids [S, P] (ints), got {type(tokens).__name__}: "
+                                  f"{exc}") from None
     if tokens.dim() == 1:
         tokens = tokens[None]
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):

@@ -164,6 +164,23 @@ class RunSettings:
         return d
 
 
+def as_settings(settings, fn: str, name: str = "settings") -> "RunSettings":
+    """A public function's settings: a RunSettings, a dict of its fields, or None (the defaults); anything else, or
+    a dict with a field that does not exist, refused naming the function."""
+    if settings is None:
+        return RunSettings()
+    if isinstance(settings, dict):
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(RunSettings)})
+        if unknown:
+            raise MambaDebugError(f"{fn}: {name} has no field(s) {', '.join(map(str, unknown))}; "
+                                  f"md.RunSettings' fields are its arguments (help(md.RunSettings))")
+        return RunSettings(**settings)
+    if not isinstance(settings, RunSettings):
+        raise MambaDebugError(f"{fn}: {name} must be a md.RunSettings (or a dict of its fields), got a "
+                              f"{type(settings).__name__}")
+    return settings
+
+
 LIST_FIELDS = ("capture_layers", "capture_sites", "devices", "tensor_split")
 
 # The name callers used before the restructure.

@@ -18,9 +18,9 @@ from typing import Iterable, Optional
 from .budget import workers_that_fit
 from .compare import run_compare
 from .errors import MambaDebugError
-from .model import Model, prompt_list
+from .model import Model, prompt_list, require_model
 from .plugins import load_plugin
-from .settings import RunSettings, resolve_device
+from .settings import RunSettings, as_settings, resolve_device
 from .settings_checks import check_count, plain
 from .trace import json_num
 
@@ -58,11 +58,10 @@ def run_sweep(model: Model, prompt_ids, base: RunSettings, offloads: Optional[It
     started here (one CPU, or the GPUs of the split, per task); an already initialised Ray is used as it is."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
+    require_model(model, "run_sweep")
+    base = as_settings(base, "run_sweep", "base")
     prompt_ids = prompt_list(prompt_ids)            # an iterator is read once, here
     L = model.config.n_layer
-    if not isinstance(base, RunSettings):
-        raise MambaDebugError(f"base must be a md.RunSettings (every cell's settings but offload, ubatch and "
-                              f"n_seqs), got a {type(base).__name__}")
     check_count("workers", workers, 1)
     offloads = _axis("offloads", range(0, L + 2) if offloads is None else offloads)
     ubatches, n_seqs_list = _axis("ubatches", ubatches), _axis("n_seqs_list", n_seqs_list)
@@ -302,6 +301,8 @@ def bisect_layer(model: Model, prompt_ids, base: RunSettings) -> dict:
 
     Assumes monotonicity, as llama.cpp's placement gives it: offload N+1 runs a superset of N's device layers.
     """
+    require_model(model, "bisect_layer")
+    base = as_settings(base, "bisect_layer", "base")
     L, prompt_ids = model.config.n_layer, prompt_list(prompt_ids)       # an iterator is read once, here
     cache: dict = {}
     runs = []

@@ -339,16 +339,32 @@ def test_public_functions_refuse_a_wrong_first_argument_naming_themselves(tmp_pa
 def test_run_sweep_axes_are_lists_of_distinct_integers_and_its_base_and_workers_checked(small_model):
     """ubatches="1,8" ran the 'ubatches' '1', ',' and '8' (refused only as "got '1'"); an empty axis made an empty
     sweep; a repeated offload ran and drew its cells twice; workers="2" was a TypeError and base=None an
-    AttributeError."""
+    AttributeError (None is the defaults, as in run_compare)."""
     from mamba_debug.sweep import run_sweep
     base = md.RunSettings(kernels="torch", n_gen=0)
     for kw, said in ((dict(ubatches="1,8"), "ubatches must be a list of integers (e.g. [1, 8, 32] or range(0, 14))"),
                      (dict(offloads=[]), "offloads is empty: give at least one value"),
                      (dict(workers="2"), "workers must be an integer >= 1, got '2'"),
-                     (dict(base=None), "base must be a md.RunSettings")):
+                     (dict(base="torch"), "run_sweep: base must be a md.RunSettings (or a dict of its fields)")):
         args = dict(base=base, offloads=[0], ubatches=[2], progress=False) | kw
         with pytest.raises(MambaDebugError, match=re.escape(said)):
             run_sweep(small_model, [1, 2, 3, 4], **args)
     sw = run_sweep(small_model, [1, 2, 3, 4], base, offloads=[1, np.int64(1), 1], ubatches=np.array([2]),
                    progress=False)
     assert sw["offloads"] == [1] and sw["ubatches"] == [2] and len(sw["cells"]) == 1
+
+
+def test_run_functions_take_settings_as_a_dict_and_refuse_what_is_not_a_model_or_settings(small_model):
+    """run_compare(None, ...) and bisect_layer(model, ids, None) were AttributeErrors from inside, settings as a dict
+    an AttributeError ('validated'), model.logits("text") a TypeError from torch."""
+    ids = [1, 2, 3, 4]
+    res = md.run_compare(small_model, ids, {"kernels": "torch", "n_gen": 1, "ubatch": 2})
+    assert res.settings.kernels == "torch" and res.settings.ubatch == 2
+    for call, said in ((lambda: md.run_compare(None, ids), "run_compare takes a model"),
+                       (lambda: md.bisect_layer("model", ids, {}), "bisect_layer takes a model"),
+                       (lambda: md.run_compare(small_model, ids, {"kernel": "torch"}),
+                        "run_compare: settings has no field(s) kernel"),
+                       (lambda: md.run_compare(small_model, ids, "torch"), "settings must be a md.RunSettings"),
+                       (lambda: small_model.logits("hello"), "tokens are text; pass token ids")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            call()
