@@ -247,6 +247,13 @@ class Runner:
     def __init__(self, model: Model, host: Backend, device=None,
                  placement: Optional[Placement] = None, observer=None):
         """device: one Backend, or one per device slot of the placement (--devices)."""
+        require_model(model, "Runner")
+        for b in [host] + (list(device) if isinstance(device, (list, tuple)) else [device]):
+            if b is not None and not isinstance(b, Backend):
+                raise MambaDebugError(f"Runner: a back-end must be a md.Backend (md.reference_backend(), "
+                                      f"md.device_backend(...)), got a {type(b).__name__}")
+        if host is None:
+            raise MambaDebugError("Runner needs a host back-end, e.g. md.reference_backend()")
         cfg = model.config
         self.model, self.cfg = model, cfg
         self.placement = placement or Placement(cfg.n_layer, 0)

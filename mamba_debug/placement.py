@@ -75,6 +75,10 @@ class Placement:
     tensor_split: tuple = ()   # each slot's share (--tensor-split); () = equal shares
 
     def __post_init__(self):
+        for name in ("n_layer", "offload"):     # numpy's integers as Python's (the checks below want an int)
+            v = getattr(self, name)
+            if isinstance(v, np.integer):
+                object.__setattr__(self, name, int(v))
         object.__setattr__(self, "devices", tuple(self.devices or ()))
         object.__setattr__(self, "tensor_split", tuple(self.tensor_split or ()))
         check_split(self.devices, self.tensor_split)

@@ -90,6 +90,8 @@ def sibling(name: str) -> Plugin:
 
 def load_plugin(name_or_path: str, device: str = "interpret") -> Plugin:
     """Execute a plug-in file for a device ('cuda' compiles Triton, 'interpret'/'cpu' interprets it)."""
+    if device not in ("cuda", "interpret", "cpu"):      # anything else was interpreted as if 'interpret'
+        raise PluginError(f"device {device!r}: a plug-in loads for 'cuda', 'interpret' or 'cpu'")
     path = resolve_kernels(name_or_path)
     key = (path, device)
     if key not in _CACHE:

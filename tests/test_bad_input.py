@@ -368,3 +368,15 @@ def test_run_functions_take_settings_as_a_dict_and_refuse_what_is_not_a_model_or
                        (lambda: small_model.logits("hello"), "tokens are text; pass token ids")):
         with pytest.raises(MambaDebugError, match=re.escape(said)):
             call()
+
+
+def test_runner_placement_and_plugins_refuse_what_they_cannot_use(small_model):
+    """Runner(model, None) was an AttributeError from inside; a plug-in loaded for device "tpu" was interpreted as if
+    "interpret" without a word; Placement(12, np.int64(3)) was refused as not an integer."""
+    for call, said in ((lambda: md.Runner(small_model, None), "Runner needs a host back-end"),
+                       (lambda: md.Runner(small_model, "cpu"), "Runner: a back-end must be a md.Backend"),
+                       (lambda: md.load_kernels("triton", device="tpu"),
+                        "device 'tpu': a plug-in loads for 'cuda', 'interpret' or 'cpu'")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            call()
+    assert md.Placement(np.int64(4), np.int64(2)) == md.Placement(4, 2)
