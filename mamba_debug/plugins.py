@@ -67,6 +67,8 @@ def _read_description(path: Path) -> str:
 
 
 def resolve_kernels(name_or_path: str) -> Path:
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise PluginError(f"kernels {name_or_path!r}: give a plug-in's name (md.list_kernels()) or a .py file's path")
     files = _plugin_files()
     if name_or_path in files:
         return files[name_or_path]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import numpy as np
 
@@ -63,6 +64,8 @@ def plain(name: str, v):
         return tuple(_share(x) for x in v)
     if name == "capture_layers" and v is not None:
         return tuple(plain("offload", x) for x in v)
+    if name in ("kernels", "llama_lib") and isinstance(v, os.PathLike):
+        return os.fspath(v)                         # a Path: the trace's JSON and the cache keys hold text
     if name in INT_FIELDS and isinstance(v, numbers.Integral) and not _is_bool(v):
         return int(v)
     if name in FLOAT_FIELDS and isinstance(v, numbers.Real) and not _is_bool(v):

@@ -380,3 +380,14 @@ def test_runner_placement_and_plugins_refuse_what_they_cannot_use(small_model):
         with pytest.raises(MambaDebugError, match=re.escape(said)):
             call()
     assert md.Placement(np.int64(4), np.int64(2)) == md.Placement(4, 2)
+
+
+def test_kernels_as_a_path_is_text_in_the_settings_and_a_number_is_refused(small_model):
+    """kernels=Path(...) stayed a Path in the settings (unlike the same path as text for equality, the cache and the
+    trace's JSON); kernels=3 was a TypeError from pathlib."""
+    from pathlib import Path
+    from mamba_debug.plugins import KERNELS_DIR
+    path = Path(KERNELS_DIR) / "bug_strided_gate.py"
+    assert md.RunSettings(kernels=path) == md.RunSettings(kernels=str(path))
+    with pytest.raises(MambaDebugError, match=re.escape("kernels 3: give a plug-in's name (md.list_kernels())")):
+        md.run_compare(small_model, [1, 2, 3], md.RunSettings(kernels=3, n_gen=0))
