@@ -2,6 +2,8 @@
 sweep does), and the derived result is the one a run would give."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -89,3 +91,24 @@ def test_dashboard_arguments_are_refused_naming_them_not_clamped_by_a_slider():
             Dashboard(model, kw.pop("prompt"), kernels="torch", autorun=False, **kw)
     d = Dashboard(model, [1, 2, 3, 4], kernels="torch", offload=np.int64(1), ubatch=np.int64(2), n_gen=1)
     assert d.result.settings.offload == 1 and d.result.settings.ubatch == 2
+
+
+def test_dashboard_set_refuses_a_value_its_control_would_clamp_naming_the_control():
+    """dash.set(token=999) showed the last token and dash.set(layer=50) the last layer (the sliders clamp); a site
+    typo was an ipywidgets TraitError, an unknown control a TypeError. Past the top of offload and ubatch is kept:
+    it means all of it, as -ngl 99 and a -ub past the prompt do."""
+    pytest.importorskip("ipywidgets", reason="the dashboard needs ipywidgets (requirements-lab.txt)")
+    from mamba_debug import MambaDebugError
+    from mamba_debug.dashboard import Dashboard
+    d = Dashboard(random_model(n_layer=2), [1, 2, 3, 4], kernels="torch", ubatch=2, n_gen=1)
+    for kw, said in ((dict(token=9), "token=9: the control goes from 0 to 4"),
+                     (dict(layer=5), "layer=5: the control goes from 0 to 1"),
+                     (dict(site="nope"), "site='nope': choose one of"),
+                     (dict(offload=-1), "offload must be an integer >= 0"),
+                     (dict(bogus=1), "unknown dashboard control(s) ['bogus']")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            d.set(**kw)
+    d.set(offload=99, ubatch=512)
+    assert d.state.run.offload == 3 and d.state.run.ubatch == 4
+    with pytest.raises(MambaDebugError, match=re.escape("Dashboard(result=...) takes a CompareResult")):
+        Dashboard(random_model(n_layer=2), [1, 2, 3, 4], kernels="torch", result="x", autorun=False)

@@ -35,15 +35,16 @@ from collections import OrderedDict
 from typing import Optional, Sequence, Union
 
 from ..settings import RunSettings
-from ..trace import CompareResult
+from ..errors import MambaDebugError
+from ..trace import CompareResult, require_result
 from ..views import registry
 from ..views.base import DPI, FIELDS, ViewState, live_figure
 from ..views.blit import StaticLayer
 from ..views.summary import verdict
 from .controls import (Controls, error_html, in_kernel, llama_cpp_unavailable_html, snapshot_html, status_html,
                        timing_html)
-from .state import (DashState, Prompt, RunCache, check_args, dashboard_settings, encode_prompts, engine_settings,
-                    llama_cpp_problem)
+from .state import (DashState, Prompt, RunCache, check_args, check_value, dashboard_settings, encode_prompts,
+                    engine_settings, llama_cpp_problem)
 from .sweep_panel import SweepPanel, guarded
 
 PNG_CACHE_SIZE = 256                         # rendered views kept (about 50-200 kB each)
@@ -136,10 +137,11 @@ class Dashboard(SweepPanel):
     # -- setup ---------------------------------------------------------------------------------------
     def _seed(self, res: CompareResult):
         """Put a result computed outside the dashboard into the cache (it must be for one of our prompts)."""
+        require_result(res, "Dashboard(result=...)")
         prompt = next((i for i, ids in enumerate(self.prompt_ids)
                        if res.tokens[0, :res.n_prompt].tolist() == ids), None)
         if prompt is None:
-            raise ValueError("result= was computed for another prompt than this dashboard's")
+            raise MambaDebugError("result= was computed for another prompt than this dashboard's")
         key = dashboard_settings(res.settings, res.n_prompt)
         self.cache.put(self.prompt_ids[prompt], key, res)
         llama = key.engine == "llama.cpp"
@@ -166,7 +168,9 @@ class Dashboard(SweepPanel):
         widgets = self.controls.value_widgets()
         unknown = set(values) - set(widgets)
         if unknown:
-            raise TypeError(f"unknown dashboard control(s) {sorted(unknown)}; known: {sorted(widgets)}")
+            raise MambaDebugError(f"unknown dashboard control(s) {sorted(unknown)}; known: {sorted(widgets)}")
+        for name, value in values.items():          # all checked before any is set: a slider clamps silently
+            check_value(name, widgets[name], value)
         with self._hold():
             for name, value in values.items():
                 w = widgets[name]

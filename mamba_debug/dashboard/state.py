@@ -55,6 +55,20 @@ def check_args(offload, ubatch, n_seqs, dpi, max_cached_runs) -> None:
     check_count("max_cached_runs", max_cached_runs, 0)
 
 
+def check_value(name: str, widget, value) -> None:
+    """A value `Dashboard.set` gives a control: inside a slider's range (it would clamp silently; past the top is
+    kept for offload and ubatch, where it means what -ngl 99 and a -ub past the prompt mean: all of it), one of a
+    dropdown's options (kernels excepted: a new plug-in is added), naming the control and what it takes."""
+    if hasattr(widget, "max") and hasattr(widget, "min"):
+        check_count(name, value, widget.min)
+        if value > widget.max and name not in ("offload", "ubatch"):
+            raise MambaDebugError(f"{name}={value}: the control goes from {widget.min} to {widget.max}")
+    elif name != "kernels" and hasattr(widget, "options"):
+        values = [o[1] if isinstance(o, tuple) else o for o in widget.options]
+        if value not in values:
+            raise MambaDebugError(f"{name}={value!r}: choose one of {values}")
+
+
 @dataclass(frozen=True)
 class DashState:
     prompt: int               # index into the dashboard's prompts
