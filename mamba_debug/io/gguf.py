@@ -330,11 +330,11 @@ def _encode(t: np.ndarray, qt, gguf):
 def describe_gguf(path, notes=()) -> str:
     """One line per fact of a written GGUF (architecture, dimensions, tensor types, tokenizer, size); `notes`
     (the exported model's `model.notes`: what its loader did not carry over) are listed last."""
-    gguf = _gguf()
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
     check_gguf_header(path)                  # a file that is not a GGUF, or a damaged one, named as such
+    gguf = _gguf()
     reader = gguf.GGUFReader(str(path), "r")
     f = lambda k: (reader.get_field(k).contents() if reader.get_field(k) is not None else None)  # noqa: E731
     counts: dict[str, int] = {}
