@@ -112,6 +112,8 @@ class Model:
 
     # -- tokenizer ---------------------------------------------------------------------------------
     def encode(self, text: str) -> list:
+        if not isinstance(text, str):
+            raise MambaDebugError(f"encode takes text (a str), got a {type(text).__name__}")
         if self.tokenizer is None:
             raise MambaDebugError(f"{self.source or 'this model'} has no tokenizer.json; pass token ids instead")
         return self.tokenizer.encode(text).ids

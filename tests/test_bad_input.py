@@ -391,3 +391,16 @@ def test_kernels_as_a_path_is_text_in_the_settings_and_a_number_is_refused(small
     assert md.RunSettings(kernels=path) == md.RunSettings(kernels=str(path))
     with pytest.raises(MambaDebugError, match=re.escape("kernels 3: give a plug-in's name (md.list_kernels())")):
         md.run_compare(small_model, [1, 2, 3], md.RunSettings(kernels=3, n_gen=0))
+
+
+def test_save_hf_takes_a_dtype_name_and_refuses_an_integer_dtype_or_a_file(tmp_path, small_model):
+    """save_hf(dtype="float16") was a RuntimeError ('Invalid device string') after creating the folder;
+    dtype=torch.int8 wrote the weights truncated to integers; a file as the folder a FileExistsError."""
+    md.save_hf(small_model, tmp_path / "half", dtype="float16")
+    assert md.load_model(tmp_path / "half").params["norm_f"].equal(small_model.params["norm_f"].half().double())
+    with pytest.raises(MambaDebugError, match=re.escape("save_hf: dtype torch.int8 is not a floating dtype")):
+        md.save_hf(small_model, tmp_path / "ints", dtype=torch.int8)
+    (tmp_path / "afile").write_text("kept")
+    with pytest.raises(MambaDebugError, match="is a file; save_hf writes a folder"):
+        md.save_hf(small_model, tmp_path / "afile")
+    assert not (tmp_path / "ints").exists() and (tmp_path / "afile").read_text() == "kept"

@@ -17,7 +17,7 @@ import torch
 
 from ..arch import param_shapes
 from ..config import MambaConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MambaDebugError
 from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel, require_model
 from ..safeio import atomic_path, write_text
@@ -233,6 +233,19 @@ def _dt_rank(value, d_model: int) -> int:
 
 
 # -- writing ---------------------------------------------------------------------------------------
+_SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _save_dtype(dtype) -> torch.dtype:
+    """save_hf's dtype: a floating torch dtype or its name (an integer dtype wrote truncated weights)."""
+    got = _SAVE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if not (isinstance(got, torch.dtype) and got.is_floating_point):
+        raise MambaDebugError(f"save_hf: dtype {dtype!r} is not a floating dtype; give one of "
+                              f"{', '.join(list(_SAVE_DTYPES)[:4])} (or its torch dtype)")
+    return got
+
+
 def save_hf(model: MambaModel, folder, dtype: torch.dtype = torch.float32) -> Path:
     """Write `model` as a transformers `MambaForCausalLM` folder (`Mamba2ForCausalLM` or
     `GraniteMoeHybridForCausalLM` for those layer types): config.json + model.safetensors [+ tokenizer.json];
@@ -240,21 +253,21 @@ def save_hf(model: MambaModel, folder, dtype: torch.dtype = torch.float32) -> Pa
     from safetensors.torch import save_file  # noqa: PLC0415
 
     require_model(model, "save_hf")
+    dtype = _save_dtype(dtype)
     c, folder = model.config, Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise MambaDebugError(f"{folder} is a file; save_hf writes a folder (config.json, model.safetensors)")
     folder.mkdir(parents=True, exist_ok=True)
     if set(c.layer_types) != {"mamba1"}:                     # Mamba2ForCausalLM / GraniteMoeHybridForCausalLM
-        save_file(hf_mamba2.params_to_hf(c, model.params, dtype), str(folder / "model.safetensors"))
-        (folder / "config.json").write_text(json.dumps(hf_mamba2.config_to_hf(c), indent=2))
-        if model.tokenizer is not None:
-            model.tokenizer.save(str(folder / "tokenizer.json"))
-        return folder
-    table, names = LAYOUTS["transformers"], tensor_names(c, "transformers")
-    tensors = {names[k]: _to_file(k, model.params[k]) for k in param_shapes(c)
-               if not (k == "lm_head" and c.tie_embeddings)}
+        tensors, config = hf_mamba2.params_to_hf(c, model.params, dtype), hf_mamba2.config_to_hf(c)
+    else:
+        table, names = LAYOUTS["transformers"], tensor_names(c, "transformers")
+        tensors = {names[k]: _to_file(k, model.params[k]).to(dtype).contiguous() for k in param_shapes(c)
+                   if not (k == "lm_head" and c.tie_embeddings)}
+        config = {"architectures": ["MambaForCausalLM"], "model_type": "mamba",
+                  **{key: getattr(c, field) for field, key in table.config.items()}, "residual_in_fp32": True}
     with atomic_path(folder / "model.safetensors") as tmp:
-        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp))
-    config = {"architectures": ["MambaForCausalLM"], "model_type": "mamba",
-              **{key: getattr(c, field) for field, key in table.config.items()}, "residual_in_fp32": True}
+        save_file(tensors, str(tmp))
     write_text(folder / "config.json", json.dumps(config, indent=2))
     if model.tokenizer is not None:
         with atomic_path(folder / "tokenizer.json") as tmp:
