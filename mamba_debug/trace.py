@@ -240,6 +240,10 @@ def load_trace(path) -> CompareResult:
     from safetensors import safe_open  # noqa: PLC0415
 
     path = Path(path)
+    if path.is_dir():
+        raise MambaDebugError(f"{path} is a folder; give the trace file (--trace wrote it)")
+    if not path.exists():
+        raise MambaDebugError(f"{path}: no such trace file")
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}

@@ -404,3 +404,11 @@ def test_save_hf_takes_a_dtype_name_and_refuses_an_integer_dtype_or_a_file(tmp_p
     with pytest.raises(MambaDebugError, match="is a file; save_hf writes a folder"):
         md.save_hf(small_model, tmp_path / "afile")
     assert not (tmp_path / "ints").exists() and (tmp_path / "afile").read_text() == "kept"
+
+
+def test_load_trace_of_a_folder_or_a_missing_file_says_so(tmp_path):
+    """A folder was 'not a readable trace file (No such device (os error 19))'."""
+    with pytest.raises(MambaDebugError, match="is a folder; give the trace file"):
+        md.load_trace(tmp_path)
+    with pytest.raises(MambaDebugError, match="no such trace file"):
+        md.load_trace(tmp_path / "t.safetensors")
