@@ -14,7 +14,7 @@ from . import ops
 from .arch import MODEL_SITES, param_shapes, site_order
 from .arch.mamba1 import Mamba1
 from .backends import Backend, cpu_backend, device_backend, reference_backend
-from .config import MambaConfig, ModelConfig
+from .config import MambaConfig, ModelConfig, as_config
 from .errors import CheckpointError, MambaDebugError, PluginError
 from .metrics import logit_stats, nmse, site_errors
 from .model import MambaModel, Model, Runner
@@ -62,10 +62,7 @@ def build_model(config: ModelConfig, params: dict, tokenizer=None, source: str =
     config is read as `ModelConfig(**config)`."""
     from .io import check_params  # noqa: PLC0415
     from .io.weights import in_memory_params  # noqa: PLC0415
-    config = ModelConfig(**config) if isinstance(config, dict) else config
-    if not isinstance(config, ModelConfig):
-        raise MambaDebugError(f"config must be a md.ModelConfig (or a dict of its fields), got a "
-                              f"{type(config).__name__}")
+    config = as_config(config, "build_model")
     params = in_memory_params(config, params)
     return Model(config, check_params(config, params, source or "in-memory model"), tokenizer, source=source)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import MambaDebugError
 from .ops import OpTable, TORCH_OPS
 from .plugins import load_plugin
 from .settings import DEVICES, REF_DEVICES, resolve_device, resolve_ref_device  # noqa: F401 (re-exported)
@@ -36,15 +37,22 @@ class Backend:
         return (self.name, str(self.device), self.dtype)
 
 
+def _torch_device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise MambaDebugError(f"device {device!r}: not a torch device (give cpu, cuda or cuda:N)") from exc
+
+
 def reference_backend(device: str | torch.device = "cpu") -> Backend:
-    device = torch.device(device)
+    device = _torch_device(device)
     return Backend("reference", OpTable("reference", TORCH_OPS), torch.float64, device,
                    f"reference: float64 torch ops on the {_where(device)}, sequential scan")
 
 
 def cpu_backend(device: str | torch.device = "cpu") -> Backend:
     """float32 torch ops; on device="cuda" the same plain ops on the GPU (a reference side there, not a kernel)."""
-    device = torch.device(device)
+    device = _torch_device(device)
     return Backend("cpu", OpTable("cpu", TORCH_OPS), torch.float32, device,
                    f"cpu: float32 torch ops on the {_where(device)}")
 

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from .errors import MambaDebugError
+
 
 @dataclass
 class MambaConfig:
@@ -150,3 +152,13 @@ _FIRST_EXTRA = [f.name for f in fields(MambaConfig)].index("layer_types")
 
 # The name the architecture-agnostic code uses; `MambaConfig` stays for existing callers.
 ModelConfig = MambaConfig
+
+
+def as_config(cfg, fn: str) -> "MambaConfig":
+    """A public function's config: a ModelConfig or a dict of its fields; anything else refused naming the function
+    (an AttributeError on None before)."""
+    if isinstance(cfg, dict):
+        return MambaConfig(**cfg)
+    if not isinstance(cfg, MambaConfig):
+        raise MambaDebugError(f"{fn} takes a md.ModelConfig (or a dict of its fields), got a {type(cfg).__name__}")
+    return cfg

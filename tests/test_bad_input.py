@@ -412,3 +412,15 @@ def test_load_trace_of_a_folder_or_a_missing_file_says_so(tmp_path):
         md.load_trace(tmp_path)
     with pytest.raises(MambaDebugError, match="no such trace file"):
         md.load_trace(tmp_path / "t.safetensors")
+
+
+def test_config_functions_take_a_dict_and_backends_name_a_bad_device():
+    """md.param_shapes / md.site_order of a dict or None were AttributeErrors; md.reference_backend("tpu") a torch
+    RuntimeError listing every device type torch knows."""
+    fields = {"d_model": 16, "n_layer": 1, "vocab_size": 20}
+    assert md.param_shapes(fields) == md.param_shapes(md.ModelConfig(**fields))
+    for call, said in ((lambda: md.param_shapes(None), "param_shapes takes a md.ModelConfig (or a dict of its fields)"),
+                       (lambda: md.site_order("x"), "site_order takes a md.ModelConfig"),
+                       (lambda: md.reference_backend("tpu"), "device 'tpu': not a torch device")):
+        with pytest.raises(MambaDebugError, match=re.escape(said)):
+            call()

@@ -1,7 +1,7 @@
 """Layer types by name, and what a whole model's config implies: site order, parameter shapes, site sizes."""
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..config import ModelConfig, as_config
 from ..errors import MambaDebugError
 from .base import MODEL_SITES, LayerContext, LayerType, SiteKey, StateSpec
 from .attention import Attention
@@ -40,12 +40,14 @@ def all_sites(cfg: ModelConfig) -> tuple:
 
 def site_order(cfg: ModelConfig) -> list:
     """(layer, site) keys in graph order: layers ascending, each in its type's order, then the model-level sites."""
+    cfg = as_config(cfg, "site_order")
     keys = [(i, s) for i in range(cfg.n_layer) for s in layer_type(cfg, i).sites]
     return keys + [(None, s) for s in MODEL_SITES]
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """Canonical name -> shape of every parameter the config implies (what every loader checks against)."""
+    cfg = as_config(cfg, "param_shapes")
     E, V = cfg.d_model, cfg.vocab_size
     shapes = {"embed": (V, E), "norm_f": (E,), "lm_head": (V, E)}
     for i in range(cfg.n_layer):
