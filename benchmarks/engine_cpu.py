@@ -1,7 +1,8 @@
 """Engine speed on a CPU (issue: divergence engine, "Speed"): one compare of the shipped tiny model over a
 64-token prompt plus 16 generated tokens with the Triton kernels under the interpreter (and with a bug variant),
 the same compare of the shipped tiny Mamba-2 and hybrid models, and a full offload 0..n_layer+1 x 4-ubatch sweep
-of the tiny Mamba-1. Prints a table and writes benchmarks/results/engine_cpu.json.
+of the tiny Mamba-1. Prints a table and writes $OUT/engine_cpu.json ($OUT defaults to benchmarks/results: set it
+for a check that must not replace the recorded figures).
 
 Run: python benchmarks/engine_cpu.py     (goals, issue #18: compare <= 3 s, sweep <= 60 s on 2 cores)
 """
@@ -65,7 +66,9 @@ def main():
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores, torch {torch.__version__}", "kernel_launches": paths, "model": repr(model),
            "rows": rows}
-    Path(__file__).parent.joinpath("results", "engine_cpu.json").write_text(json.dumps(out, indent=1))
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.joinpath("engine_cpu.json").write_text(json.dumps(out, indent=1))
     print(f"{'model':20s} {'what':100s} {'s':>7s} {'goal':>5s} diverged")
     for r in rows:
         print(f"{r['model']:20s} {r['what']:100s} {r['seconds']:7.2f} {r['goal_s']:5d} {r['diverged']}")
