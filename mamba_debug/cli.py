@@ -6,6 +6,7 @@ or a help text is written once, in settings.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -148,9 +149,19 @@ def _progress(enabled):
     return update
 
 
+STDOUT = "-"           # `--json -`: the JSON alone on stdout, the lines meant for a person on stderr
+
+
 def _write_json(path, obj):
     from .safeio import write_text  # noqa: PLC0415
+    if path == STDOUT:
+        _json_out[0].write(json.dumps(obj, indent=1) + "\n")
+        _json_out[0].flush()
+        return
     write_text(path, json.dumps(obj, indent=1))
+
+
+_json_out = [sys.stdout]        # where `--json -` writes: stdout as main() found it
 
 
 def guard_outputs(args, **outputs):
@@ -216,11 +227,15 @@ def _three_way(args) -> int:
 def _keep_partial(args, command: str, stop) -> int:
     """An interrupted sweep or bisect: its finished work goes to `<--json stem>.incomplete.json` (atomically; the
     --json file itself keeps its old content, so a partial result is never taken for a whole one); exit 130."""
-    path = _incomplete_path(args.json or f"{command}.json")
+    path = _incomplete_path(args.json if args.json not in (None, STDOUT) else f"{command}.json")
     _write_json(path, stop.partial)
     print(f"mamba-debug: interrupted: {stop.done}, written to {path} (marked incomplete, with what was not run); "
           f"{args.json or 'no --json output'} left as it was", file=sys.stderr)
     return 130
+
+
+def _interrupted_json(json_path):
+    return _incomplete_path(json_path) if json_path not in (None, STDOUT) else None
 
 
 def _incomplete_path(json_path) -> Path:
@@ -230,7 +245,7 @@ def _incomplete_path(json_path) -> Path:
 
 def cmd_sweep(args) -> int:
     from .sweep import Interrupted, auto_workers, run_sweep  # noqa: PLC0415
-    guard_outputs(args, **{"--json": args.json, "--json (interrupted)": args.json and _incomplete_path(args.json)})
+    guard_outputs(args, **{"--json": args.json, "--json (interrupted)": _interrupted_json(args.json)})
     model, ids = model_and_prompt(args)
     base = settings_from(args)
     largest = base.replace(ubatch=max(args.ubatches), n_seqs=max(args.n_seqs_list), capture="metrics")
@@ -268,7 +283,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_bisect(args) -> int:
     from .sweep import Interrupted, bisect_layer  # noqa: PLC0415
-    guard_outputs(args, **{"--json": args.json, "--json (interrupted)": args.json and _incomplete_path(args.json)})
+    guard_outputs(args, **{"--json": args.json, "--json (interrupted)": _interrupted_json(args.json)})
     model, ids = model_and_prompt(args)
     try:
         out = bisect_layer(model, ids, settings_from(args))
@@ -366,7 +381,7 @@ def _run_command(sub, name, func, help, out_flags=("json",)):
     return p
 
 
-OUT_HELP = {"json": "write the result as JSON (DESIGN.md)", "report": "write an HTML report with the plots",
+OUT_HELP = {"json": "write the result as JSON (DESIGN.md); '-': to stdout, the summary to stderr", "report": "write an HTML report with the plots",
             "trace": "save the trace (.safetensors) to reopen with `show`"}
 
 
@@ -431,7 +446,14 @@ def main(argv=None) -> int:
     parser = build_parser()
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     args = parser.parse_args(argv)
-    return run_guarded(args.func, args, debug)
+    for flag in ("trace", "report"):
+        if getattr(args, flag, None) == STDOUT and args.command != "show":
+            parser.error(f"--{flag} -: only --json can go to stdout; give --{flag} a file name")
+    if getattr(args, "json", None) != STDOUT:
+        return run_guarded(args.func, args, debug)
+    _json_out[0] = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):    # `mamba-debug compare --json - | jq .verdict`
+        return run_guarded(args.func, args, debug)
 
 
 if __name__ == "__main__":

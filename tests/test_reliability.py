@@ -552,3 +552,19 @@ def test_two_outputs_into_dev_null_run_and_two_into_one_file_are_refused(tmp_pat
     f = tmp_path / "r.json"
     rc, _, err = _run(capsys, "compare", "--model", folder, "--json", f, "--trace", f, *FAST)
     assert rc == 2 and f"--json and --trace both name {f}" in err and not f.exists()
+
+
+def test_json_dash_writes_the_json_alone_to_stdout_and_the_summary_to_stderr(tmp_path, folder, capsys, monkeypatch):
+    """`--json -` wrote a file named '-' in the working folder; now `mamba-debug compare --json - | jq` works (every
+    command with --json), and `--trace -` / `--report -` are refused naming the flag."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(capsys, "compare", "--model", folder, "--json", "-", *FAST)
+    assert rc in (0, 1) and json.loads(out)["verdict"] and "verdict" in err and "json      -" in err
+    rc, out, err = _run(capsys, "sweep", "--model", folder, "--offloads", "0", "--ubatches", "2", "--workers", "1",
+                        "--json", "-", *FAST)
+    assert rc in (0, 1) and len(json.loads(out)["cells"]) == 1, err
+    for flag in ("--trace", "--report"):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["compare", "--model", str(folder), flag, "-", *FAST])
+        assert stop.value.code == 2 and f"{flag} -: only --json can go to stdout" in capsys.readouterr().err
+    assert not (tmp_path / "-").exists()
