@@ -446,9 +446,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     args = parser.parse_args(argv)
-    for flag in ("trace", "report"):
+    for flag in ("trace", "report", "out"):             # '-' is stdout to a user, never a file named '-'
         if getattr(args, flag, None) == STDOUT and args.command != "show":
-            parser.error(f"--{flag} -: only --json can go to stdout; give --{flag} a file name")
+            parser.error(f"--{flag} -: only --json can go to stdout; give --{flag} a "
+                         f"{'folder' if args.command == 'export-case' else 'file'} name")
     if getattr(args, "json", None) != STDOUT:
         return run_guarded(args.func, args, debug)
     _json_out[0] = sys.stdout

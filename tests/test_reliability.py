@@ -563,8 +563,9 @@ def test_json_dash_writes_the_json_alone_to_stdout_and_the_summary_to_stderr(tmp
     rc, out, err = _run(capsys, "sweep", "--model", folder, "--offloads", "0", "--ubatches", "2", "--workers", "1",
                         "--json", "-", *FAST)
     assert rc in (0, 1) and len(json.loads(out)["cells"]) == 1, err
-    for flag in ("--trace", "--report"):
+    for command, flag in (("compare", "--trace"), ("compare", "--report"), ("export-gguf", "--out"),
+                          ("export-case", "--out")):
         with pytest.raises(SystemExit) as stop:
-            cli.main(["compare", "--model", str(folder), flag, "-", *FAST])
+            cli.main([command, "--model", str(folder), flag, "-"])
         assert stop.value.code == 2 and f"{flag} -: only --json can go to stdout" in capsys.readouterr().err
     assert not (tmp_path / "-").exists()
