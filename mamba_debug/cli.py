@@ -381,7 +381,8 @@ def _run_command(sub, name, func, help, out_flags=("json",)):
     return p
 
 
-OUT_HELP = {"json": "write the result as JSON (DESIGN.md); '-': to stdout, the summary to stderr", "report": "write an HTML report with the plots",
+OUT_HELP = {"json": "write the result as JSON (DESIGN.md); '-': to stdout, the summary to stderr",
+            "report": "write an HTML report with the plots",
             "trace": "save the trace (.safetensors) to reopen with `show`"}
 
 

@@ -11,8 +11,8 @@ from ..arch import MODEL_SITES
 from ..trace import CompareResult
 from .blit import mark_dynamic
 from .base import (check_args, BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState,
-                   clear_axes, fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message, not_observed_patch,
-                   observed_rows, site_errors, thresholds)
+                   clear_axes, fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message,
+                   not_observed_patch, observed_rows, site_errors, thresholds)
 
 METRIC_LABELS = {"rel_l2": "relative L2 error  ||dev - ref|| / ||ref||", "max_abs": "max |dev - ref|",
                  "nmse": "NMSE  mse(dev, ref) / mse(ref, 0)", "cosine": "1 - cosine(dev, ref)  (0 = same direction)"}
