@@ -35,6 +35,16 @@ import numpy as np
 from .errors import MambaDebugError
 
 
+def is_flag(v) -> bool:
+    """True or False, Python's or numpy's (np.bool_ is not a bool)."""
+    return isinstance(v, (bool, np.bool_))
+
+
+def is_integer(v) -> bool:
+    """A Python or numpy integer that is not a flag (bool is an int)."""
+    return isinstance(v, numbers.Integral) and not is_flag(v)
+
+
 @dataclass
 class MambaConfig:
     d_model: int                 # E
@@ -92,7 +102,7 @@ class MambaConfig:
         non-number for a float, or anything but True or False for a flag (tie_embeddings="no" is truthy: the head
         would be tied) refused naming the field."""
         for f in fields(self):
-            v, flag = getattr(self, f.name), isinstance(getattr(self, f.name), (bool, np.bool_))
+            v, flag = getattr(self, f.name), is_flag(getattr(self, f.name))
             if f.type == "bool" and not flag:
                 raise ValueError(f"MambaConfig.{f.name} must be True or False, got {v!r}")
             if f.type in ("int", "float") and flag:

@@ -19,7 +19,7 @@ import torch
 
 from .arch import MODEL_SITES, LayerContext, all_sites, layer_type
 from .backends import Backend, cpu_backend, cpu_threads_for, reference_backend
-from .config import ModelConfig
+from .config import ModelConfig, is_integer
 from .errors import MambaDebugError
 from .isolation import deferred
 from .ops import OpTable
@@ -195,8 +195,7 @@ def _is_integer(x) -> bool:
     """A Python, numpy or 0-d torch integer (not a bool)."""
     if isinstance(x, torch.Tensor):
         return x.ndim == 0 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
-    kind = getattr(getattr(x, "dtype", None), "kind", "")          # numpy's scalars: "i" and "u" are integers
-    return not isinstance(x, bool) and (isinstance(x, int) or kind in ("i", "u"))
+    return is_integer(x)
 
 
 def check_tokens(tokens, vocab_size: int) -> torch.Tensor:

@@ -8,8 +8,7 @@ import math
 import numbers
 import os
 
-import numpy as np
-
+from .config import is_flag, is_integer
 from .errors import MambaDebugError
 
 INT_FIELDS = ("offload", "ubatch", "n_seqs", "n_gen", "repeat")
@@ -28,14 +27,14 @@ def _number(name: str, v, low: float, high: float = math.inf, flag: str | None =
 
 
 def check_count(name: str, v, low: int, flag: str | None = None):
-    if _is_bool(v) or not isinstance(v, numbers.Integral) or v < low:
+    if not is_integer(v) or v < low:
         named = f"{name} ({flag})" if flag else name
         raise MambaDebugError(f"{named} must be an integer >= {low}, got {v!r}")
 
 
 def n_gen_problem(v, flag: str = "--n-gen"):
     """What is wrong with a number of generated tokens (None: nothing); the one wording for the flag and the API."""
-    if _is_bool(v) or not isinstance(v, numbers.Integral) or v < 0:
+    if not is_integer(v) or v < 0:
         return f"{flag} must be an integer >= 0, got {v!r}"
     if v > N_GEN_MAX:
         return (f"{flag} {v} is over the limit of {N_GEN_MAX} generated tokens (each one is a step of its own; a "
@@ -66,29 +65,25 @@ def plain(name: str, v):
         return tuple(plain("offload", x) for x in v)
     if name in ("kernels", "llama_lib") and isinstance(v, os.PathLike):
         return os.fspath(v)                         # a Path: the trace's JSON and the cache keys hold text
-    if name in INT_FIELDS and isinstance(v, numbers.Integral) and not _is_bool(v):
+    if name in INT_FIELDS and is_integer(v):
         return int(v)
-    if name in FLOAT_FIELDS and isinstance(v, numbers.Real) and not _is_bool(v):
+    if name in FLOAT_FIELDS and isinstance(v, numbers.Real) and not is_flag(v):
         return float(v)
-    if name in BOOL_FIELDS and _is_bool(v):
+    if name in BOOL_FIELDS and is_flag(v):
         return bool(v)
     return v
 
 
 def _share(x):
     try:
-        return x if _is_bool(x) else float(x)
+        return x if is_flag(x) else float(x)
     except (TypeError, ValueError):
         return x                                    # named by placement.check_split
 
 
-def _is_bool(v) -> bool:
-    return isinstance(v, (bool, np.bool_))
-
-
 def check_layers(layers, n_layer: int) -> None:
     for layer in layers or ():
-        if _is_bool(layer) or not isinstance(layer, int):
+        if not is_integer(layer):
             raise MambaDebugError(f"capture layer {layer!r} is not a layer number: give integers 0..{n_layer - 1}")
         if not 0 <= layer < n_layer:
             raise MambaDebugError(f"capture layer {layer} out of range: the model's layers are 0..{n_layer - 1}")
@@ -98,9 +93,9 @@ def check_numbers(s) -> None:
     for name in BOOL_FIELDS:
         if not isinstance(getattr(s, name), bool):
             raise MambaDebugError(f"{name} must be True or False, got {getattr(s, name)!r}")
-    if _is_bool(s.ubatch) or not isinstance(s.ubatch, int) or s.ubatch < 1:
+    if not is_integer(s.ubatch) or s.ubatch < 1:
         raise MambaDebugError(f"ubatch must be an integer >= 1 (like -ub), got {s.ubatch!r}")
-    if _is_bool(s.n_seqs) or not isinstance(s.n_seqs, int) or s.n_seqs < 1:
+    if not is_integer(s.n_seqs) or s.n_seqs < 1:
         raise MambaDebugError(f"n_seqs must be an integer >= 1, got {s.n_seqs!r}")
     check_n_gen(s.n_gen, "n_gen (--n-gen)")
     _number("k_floor", s.k_floor, 1.0, 1e12, "--k-floor")

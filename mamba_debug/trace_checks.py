@@ -66,11 +66,8 @@ def _is_num(v) -> bool:
 
 
 def _check_free_form(res, S: int, bad) -> None:
-    """The metadata the views read as given: counts, the model's description, the texts, the timings."""
-    for name in ("ubatch", "n_seqs"):
-        v = getattr(res.settings, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            bad(f"settings {name} is {v!r}")
+    """The metadata the views read as given: the model's description, the texts, the timings (the settings' counts
+    are checked where the trace's settings are made, `trace._settings`)."""
     if not isinstance(res.model_info, dict):
         bad("model_info is not an object")
     if not {"ref32", "ref64", "device"} <= set(res.sides):

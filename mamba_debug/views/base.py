@@ -15,13 +15,13 @@ zero (device and reference identical: green), not observed (hatched grey), NaN/I
 from __future__ import annotations
 
 import io
-import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from ..arch import MODEL_SITES
+from ..config import is_integer
 from ..errors import MambaDebugError
 from ..metric_block import METRICS
 from ..trace import CompareResult
@@ -262,8 +262,7 @@ def check_args(res: Optional[CompareResult], ax, *, seq=0, token=None, layer=Non
     S, T = res.tokens.shape
     for name, v, n, what in (("seq", seq, S, "sequence"), ("token", token, T, "token"),
                              ("layer", layer, res.n_layer, "layer")):
-        if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral)
-                              or not -n <= v < n):
+        if v is not None and not (is_integer(v) and -n <= v < n):
             raise MambaDebugError(f"{name}={v!r}: this result has {n} {what}(s), 0..{n - 1}")
     sites = MODEL_SITES + tuple(dict.fromkeys(s for layer_sites in res.layer_sites for s in layer_sites))
     if site is not None and site not in sites:
