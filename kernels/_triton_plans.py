@@ -65,10 +65,16 @@ def scan_plan(S: int, T: int, D: int, N: int, device=None) -> dict:
         return dict(schedule="steps", BLOCK_D=block_d, n_chunks=1, SLOTS=1, TILES=False,
                     num_warps=max(1, min(8, block_d * block_n // 512)))
     # Prompts (research/scan_rows/: plans timed on an H200 on 2026-12-02): one-warp programs of 32 channels, four
-    # tokens in flight. Short ubatches, and many sequences (which fill the GPU on their own), run in one pass; a long
-    # prompt of a few sequences is also cut into chunks, up to 30 programs per SM (two waves at most: a chunk's walk
-    # is long, the wave's tail short). At d_inner 5120: L 2048 batch 8 in one pass 845 us (1102 before); batch 1,
-    # 24 chunks 166 us (188); L 8192 600 us (722). d_inner 1536, L 2048, 32 chunks 64 us (86).
+    # tokens in flight (eight in one pass, below). Short ubatches, and many sequences (which fill the GPU on their
+    # own), run in one pass; a long prompt of a few sequences is also cut into chunks, up to 30 programs per SM (two
+    # waves at most: a chunk's walk is long, the wave's tail short). At d_inner 5120: L 2048 batch 8 in one pass
+    # 845 us (1102 before); batch 1, 24 chunks 166 us (188); L 8192 600 us (722). d_inner 1536, L 2048, 32 chunks
+    # 64 us (86).
+    # One pass over MIN_CHUNK_T tokens or more keeps eight tokens in flight (127 registers: still four warps a
+    # scheduler; H100, 2026-12-06, research/scan_rows/lead.py: L 2048 batch 8 743 us against 853, batch 4 562
+    # against 703, 64 tokens x batch 64 155 against 172). Chunked plans keep four: pass 2 would need 133 registers,
+    # a warp a scheduler fewer (batch 1 172 us against 168).
     programs = S * _cdiv(D, 32)
     n_chunks = 1 if programs >= 4 * sms else max(1, min(T // MIN_CHUNK_T, 30 * sms // programs))
-    return dict(schedule="steps", BLOCK_D=32, n_chunks=n_chunks, SLOTS=4, TILES=True, num_warps=1)
+    slots = 8 if n_chunks == 1 and T >= MIN_CHUNK_T else 4
+    return dict(schedule="steps", BLOCK_D=32, n_chunks=n_chunks, SLOTS=slots, TILES=True, num_warps=1)

@@ -218,7 +218,7 @@ def _ssm_scan_kernel(
     stride_so_s, stride_so_t, stride_so_d, stride_so_n,
     # meta-parameters
     SUMMARY: tl.constexpr,          # pass 1 of a chunked scan: write the chunk summaries, no y
-    SLOTS: tl.constexpr,            # 1 or 4 tokens in flight (loaded SLOTS tokens before their step)
+    SLOTS: tl.constexpr,            # 1, 4 or 8 tokens in flight (loaded SLOTS tokens before their step)
     TILES: tl.constexpr,            # per-channel and per-state values as [BLOCK_D, 1] and [1, BLOCK_N] tiles
     CHUNKED: tl.constexpr,          # N_CHUNKS > 1
     HAS_STATES_OUT: tl.constexpr,   # write every h_t into states_out
@@ -296,25 +296,43 @@ def _ssm_scan_kernel(
     # x0, x1 = x1, x_next waits on each load a step after issuing it: 1.1-1.5k clocks a step on an H200). `while`:
     # Triton 3.6's interpreter cannot take a runtime int as a range() bound under numpy >= 2.5.
     x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, 0, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
-    if SLOTS == 4:
+    if SLOTS >= 4:
         x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, 1, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
         x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, 2, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
         x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, 3, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+    if SLOTS == 8:
+        x4, dt4, B4, C4 = _token(x_p, dt_p, B_p, C_p, 4, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+        x5, dt5, B5, C5 = _token(x_p, dt_p, B_p, C_p, 5, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+        x6, dt6, B6, C6 = _token(x_p, dt_p, B_p, C_p, 6, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+        x7, dt7, B7, C7 = _token(x_p, dt_p, B_p, C_p, 7, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
     i = 0
     while i < n_tok:
         h, dsum = _step(h, dsum, A, x0, dt0, B0, C0, *out, i, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,
                          SUMMARY, HAS_STATES_OUT, TILES, DELTA)
         x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, i + SLOTS, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
-        if SLOTS == 4:
+        if SLOTS >= 4:
             h, dsum = _step(h, dsum, A, x1, dt1, B1, C1, *out, i + 1, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
-            x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + 5, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            x1, dt1, B1, C1 = _token(x_p, dt_p, B_p, C_p, i + SLOTS + 1, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
             h, dsum = _step(h, dsum, A, x2, dt2, B2, C2, *out, i + 2, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
-            x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + 6, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            x2, dt2, B2, C2 = _token(x_p, dt_p, B_p, C_p, i + SLOTS + 2, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
             h, dsum = _step(h, dsum, A, x3, dt3, B3, C3, *out, i + 3, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
-            x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + 7, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            x3, dt3, B3, C3 = _token(x_p, dt_p, B_p, C_p, i + SLOTS + 3, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+        if SLOTS == 8:
+            h, dsum = _step(h, dsum, A, x4, dt4, B4, C4, *out, i + 4, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+            x4, dt4, B4, C4 = _token(x_p, dt_p, B_p, C_p, i + 12, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            h, dsum = _step(h, dsum, A, x5, dt5, B5, C5, *out, i + 5, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+            x5, dt5, B5, C5 = _token(x_p, dt_p, B_p, C_p, i + 13, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            h, dsum = _step(h, dsum, A, x6, dt6, B6, C6, *out, i + 6, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+            x6, dt6, B6, C6 = _token(x_p, dt_p, B_p, C_p, i + 14, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            h, dsum = _step(h, dsum, A, x7, dt7, B7, C7, *out, i + 7, n_tok, stride_y_t, stride_so_t, mask_d,
+                             mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
+            x7, dt7, B7, C7 = _token(x_p, dt_p, B_p, C_p, i + 15, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
         i += SLOTS
 
     if SUMMARY:
@@ -448,6 +466,7 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
     started first), CARRY2 (two chunks' summaries loaded at once) and BLOCK_D_PASS1 (pass 1's channel block); none
     changes a bit. Off: timed on an H100 on 2026-12-05, none is faster than the plain plans (research/scan_rows)."""
     n_chunks = plan["n_chunks"]
+    _check("ssm_scan", plan.get("SLOTS", 1) in (1, 4, 8), f"a plan's SLOTS is 1, 4 or 8, not {plan.get('SLOTS')!r}")
     chunk_t = _cdiv(T, n_chunks)
     n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
     y, new_state = tensors[6], tensors[7]

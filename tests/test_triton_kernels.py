@@ -191,12 +191,14 @@ def check_scan(inp, y, h, states):
 
 
 # Every way kernels/triton.py can run a scan (`scan_plan` picks one by device and size): the GPU's step schedule
-# with one or four tokens in flight (a chunk's length not a multiple of four), per-channel values as 1-D blocks or
+# with one, four or eight tokens in flight (a chunk's length not a multiple of them), per-channel values as 1-D blocks or
 # [BLOCK_D, 1] tiles, chunked over time (pass 1 summaries + carry), and the interpreter's tiled schedule with tiles
 # shorter and longer than the chunk of tokens left. Each runs wherever the test runs.
 SCAN_PLANS = {
     "steps": dict(schedule="steps", BLOCK_D=16, n_chunks=1, SLOTS=1, TILES=False, num_warps=1),
     "steps-slots-4": dict(schedule="steps", BLOCK_D=32, n_chunks=1, SLOTS=4, num_warps=2),
+    "steps-slots-8": dict(schedule="steps", BLOCK_D=32, n_chunks=1, SLOTS=8, num_warps=1),   # one-pass prompts on a GPU
+    "chunked-3-slots-8": dict(schedule="steps", BLOCK_D=16, n_chunks=3, SLOTS=8, num_warps=1),
     "chunked-3-slots-4": dict(schedule="steps", BLOCK_D=16, n_chunks=3, SLOTS=4, num_warps=1),
     "chunked-5": dict(schedule="steps", BLOCK_D=64, n_chunks=5, SLOTS=1, TILES=False, num_warps=2),
     "chunked-2-slots-1-tiles": dict(schedule="steps", BLOCK_D=32, n_chunks=2, SLOTS=1, num_warps=1),
@@ -208,6 +210,13 @@ SCAN_PLANS = {
     "tiled-16": dict(schedule="tiled", BLOCK_D=16, n_chunks=1, TILE_T=16, num_warps=1),
     "tiled-64": dict(schedule="tiled", BLOCK_D=64, n_chunks=1, TILE_T=64, num_warps=1),    # one tile, 27 rows past T
 }
+
+
+def test_a_plan_with_other_tokens_in_flight_is_refused(plugin):
+    """The step loop is written for 1, 4 or 8 tokens in flight; any other count would skip tokens, silently."""
+    inp, _ = make_inputs(1, 9, 8, 4, 4, seed=5)
+    with pytest.raises(ValueError, match="SLOTS is 1, 4 or 8, not 2"):
+        plugin.module.ssm_scan(*scan_args(inp), plan=dict(SCAN_PLANS["steps-slots-4"], SLOTS=2))
 
 
 # A chunked plan's options (kernels/triton.py _scan_steps) hand work between the passes or reorder it; the

@@ -8,7 +8,9 @@ then
     TRITON_INTERPRET=0 python3 research/scan_rows/lead.py time      # GPU: each K beside the default, vs float64
 
 `time` swaps the variant into the plug-in's pass launcher (`_launch_scan`) for its rows only, so the plans, the
-chunking and the host work are the product's; writes lead.json to $OUT and prints a table last.
+chunking and the host work are the product's ("default": the kernel as it is, since 2026-12-06 eight tokens in
+flight in a one-pass prompt, four in a chunked one); writes lead.json to $OUT and prints a table last.
+Results: results/lead_h100_2026-12-06.json (K 6-16, before the default took eight), README.md.
 """
 import importlib.util
 import inspect
@@ -110,26 +112,27 @@ def time():
     from mamba_debug import ops
     kept = MOD._launch_scan
     rows = []
-    for S in (1, 8):
-        h0, x, dt, A, B, C = scan_inputs(S, 2048, 5120)
+    # d_inner 5120: L 2048 chunked (batch 1, 2) and in one pass (4, 8, 16), then shorter one-pass prompts
+    for S, L in ((1, 2048), (2, 2048), (4, 2048), (8, 2048), (16, 2048), (8, 100), (64, 64), (8, 512)):
+        h0, x, dt, A, B, C = scan_inputs(S, L, 5120)
         ref = ops.ssm_scan(*(t.double() for t in (h0, x, dt, A, B, C)))
-        for k in ("default", 4, 6, 8):
+        for k in ("default", 4, 8, 12):
             MOD._launch_scan = kept if k == "default" else MOD.Launch(variant(k), False)
             try:
                 fn = lambda: MOD.ssm_scan(h0, x, dt, A, B, C)  # noqa: E731
                 y, h = fn()
                 e = max(float(((a.double() - r) ** 2).sum() / (r ** 2).sum()) for a, r in zip((y, h), ref))
-                rows.append(dict(batch=S, K=k, time_us=round(bench_cold(fn), 2), nmse=e))
+                rows.append(dict(batch=S, L=L, K=k, time_us=round(bench_cold(fn), 2), nmse=e))
             except Exception as exc:        # a variant that does not compile or launch is a row, not the end
-                rows.append(dict(batch=S, K=k, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                rows.append(dict(batch=S, L=L, K=k, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
             finally:
                 MOD._launch_scan = kept
             print(rows[-1], flush=True)
     out = Path(os.environ.get("OUT", "/tmp"))
     (out / "lead.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
-    print("\n| batch | K | us | nmse |\n|---|---|---|---|")
+    print("\n| batch | L | K | us | nmse |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['K']} | {r.get('time_us', r.get('error'))} | {r.get('nmse', '')} |")
+        print(f"| {r['batch']} | {r['L']} | {r['K']} | {r.get('time_us', r.get('error'))} | {r.get('nmse', '')} |")
 
 
 if __name__ == "__main__":
