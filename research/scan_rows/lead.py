@@ -4,6 +4,7 @@ tokens in flight (K register sets, each loaded K steps ahead), leaving everythin
 then
 
     PYTHONPATH=/tmp/t36 python3 research/scan_rows/lead.py sass     # no GPU: registers, spills, loop length (sm_90)
+    PYTHONPATH=/tmp/t36 python3 research/scan_rows/lead.py same     # no GPU: kernels/triton.py's SLOTS 4, 8 = K 4, 8
     python3 research/scan_rows/lead.py check                         # no GPU: each K's answers under the interpreter
     TRITON_INTERPRET=0 python3 research/scan_rows/lead.py time      # GPU: each K beside the default, vs float64
 
@@ -25,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(Path(__file__).parent)]
 WANT = sys.argv[1] if len(sys.argv) > 1 else "sass"
-if WANT == "sass":
+if WANT in ("sass", "same"):
     os.environ.pop("TRITON_INTERPRET", None)
 else:
     os.environ["TRITON_INTERPRET"] = "1" if WANT == "check" else "0"
@@ -84,6 +85,25 @@ def sass():
             print(f"| {k} | {name} | {regs} | {spill} | {n} | {n / k:.1f} |")
 
 
+def same():
+    """The product kernel with SLOTS 4 and 8 against the probe's K 4 and 8, compiled for sm_90: the same SASS, so
+    the probe's timings are the product's (the claim the plan's change rests on until its own CUDA run)."""
+    from sass import build, launch_values, _tool
+    base = dict(TILES=True, HAS_STATES_OUT=False, BLOCK_D=32, BLOCK_N=16, DELTA=False, REVERSE=False, CARRY2=False)
+
+    def sass_of(kernel, values, consts):
+        lines = (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", row) for row in
+                 _tool("cuobjdump", "-sass", build(kernel, values, consts)).splitlines())
+        return [m.group(1) for m in lines if m]
+    for name, S, chunks, summary in (("b1 pass 1", 1, 24, True), ("b1 pass 2", 1, 24, False),
+                                     ("b8 one pass", 8, 1, False)):
+        consts, values = dict(base, CHUNKED=chunks > 1, SUMMARY=summary), launch_values(S, 2048, 5120, 16, chunks)
+        for k in (4, 8):
+            a = sass_of(MOD._ssm_scan_kernel, values, dict(consts, SLOTS=k))
+            b = sass_of(variant(k), values, dict(consts, SLOTS=4))
+            print(f"{name}, {k} in flight: {len(a)} / {len(b)} instructions, {'identical' if a == b else 'DIFFER'}")
+
+
 def check():
     """Each K, forced onto the step schedule under the interpreter (awkward sizes, one pass and chunked), against
     float64: the rewrite changes when a token is loaded, never what is computed."""
@@ -136,4 +156,4 @@ def time():
 
 
 if __name__ == "__main__":
-    {"sass": sass, "check": check, "time": time}[WANT]()
+    {"sass": sass, "same": same, "check": check, "time": time}[WANT]()
