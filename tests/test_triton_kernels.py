@@ -191,9 +191,9 @@ def check_scan(inp, y, h, states):
 
 
 # Every way kernels/triton.py can run a scan (`scan_plan` picks one by device and size): the GPU's step schedule
-# with one, four or eight tokens in flight (a chunk's length not a multiple of them), per-channel values as 1-D blocks or
-# [BLOCK_D, 1] tiles, chunked over time (pass 1 summaries + carry), and the interpreter's tiled schedule with tiles
-# shorter and longer than the chunk of tokens left. Each runs wherever the test runs.
+# with one, four or eight tokens in flight (a chunk's length not a multiple of them), per-channel values as 1-D
+# blocks or [BLOCK_D, 1] tiles, chunked over time (pass 1 summaries + carry), and the interpreter's tiled schedule
+# with tiles shorter and longer than the chunk of tokens left. Each runs wherever the test runs.
 SCAN_PLANS = {
     "steps": dict(schedule="steps", BLOCK_D=16, n_chunks=1, SLOTS=1, TILES=False, num_warps=1),
     "steps-slots-4": dict(schedule="steps", BLOCK_D=32, n_chunks=1, SLOTS=4, num_warps=2),
