@@ -1,4 +1,4 @@
-"""Goal 4's last idea: loads issued further ahead in the prefill scan's step loop. kernels/triton.py keeps four tokens
+"""Goal 4's last idea: loads issued further ahead in the prefill scan's step loop. kernels/triton.py kept four tokens
 in flight (SLOTS 4: each token's x, dt, B, C loaded four steps before its step). This probe rewrites that loop for K
 tokens in flight (K register sets, each loaded K steps ahead), leaving everything else in `_ssm_scan_kernel` as it is,
 then
