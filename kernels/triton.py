@@ -40,10 +40,9 @@ SUPPORTS_STATES_OUT = True
 # compiled kernels, and the launchers pick block sizes and check tensor devices to match.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# Triton decides interpreted-or-compiled for its own library (tl.sum, tl.zeros, ... are @triton.jit functions)
-# when `triton` is first imported, once per process. The kernels below use only builtins (and tl.reduce with
-# triton's sum combine, which the interpreter recognises and never calls), so they run under the interpreter
-# whichever way triton was imported; compiling needs the library compiled, so say so plainly.
+# Triton decides interpreted-or-compiled for its own library (tl.sum, ... are jit functions) at its first import in
+# a process. The kernels below use only builtins (and tl.reduce with triton's sum combine, which the interpreter
+# never calls), so they run interpreted either way; compiling needs the library compiled: say so plainly.
 if INTERPRET:
     # The first launch imports triton.experimental.gluon, which asserts that TRITON_INTERPRET is still set if
     # triton's library was built interpreted; the loader unsets it after executing this file, so import it now.
@@ -463,10 +462,12 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
 
     Chunked plans may also set DELTA (pass 1 hands each token's softplus to pass 2: 22% fewer instructions in pass 2's
     loop, pass 1 runs one chunk more and writes 4 bytes a channel and token), REVERSE (pass 2's longest carries are
-    started first), CARRY2 (two chunks' summaries loaded at once) and BLOCK_D_PASS1 (pass 1's channel block); none
-    changes a bit. Off: timed on an H100 on 2026-12-05, none is faster than the plain plans (research/scan_rows)."""
+    started first), CARRY2 (two chunks' summaries loaded at once), BLOCK_D_PASS1 and SLOTS_PASS1 (pass 1's block and
+    tokens in flight); none changes a bit. Off: the first four timed on an H100 (2026-12-05), none faster than the
+    plain plans; SLOTS_PASS1 8 not timed yet (research/scan_rows: `tune.py lead`)."""
     n_chunks = plan["n_chunks"]
-    _check("ssm_scan", plan.get("SLOTS", 1) in (1, 4, 8), f"a plan's SLOTS is 1, 4 or 8, not {plan.get('SLOTS')!r}")
+    for key in ("SLOTS", "SLOTS_PASS1"):     # the step loop is written for these; another count would skip tokens
+        _check("ssm_scan", plan.get(key, 1) in (1, 4, 8), f"a plan's {key} is 1, 4 or 8, not {plan.get(key)!r}")
     chunk_t = _cdiv(T, n_chunks)
     n_chunks = _cdiv(T, chunk_t)          # no empty chunk at the end
     y, new_state = tensors[6], tensors[7]
@@ -483,7 +484,8 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
                 CARRY2=bool(plan.get("CARRY2", False)))
     if n_chunks > 1:    # pass 1: every chunk but the last, from h = 0 (DELTA: the last too, for its deltas)
         block_1 = int(plan.get("BLOCK_D_PASS1", plan["BLOCK_D"]))    # summaries and deltas are per channel
-        _launch_scan((S, _cdiv(D, block_1), n_chunks - (0 if delta else 1)), *args, dict(meta, BLOCK_D=block_1))
+        meta_1 = dict(meta, BLOCK_D=block_1, SLOTS=int(plan.get("SLOTS_PASS1", meta["SLOTS"])))
+        _launch_scan((S, _cdiv(D, block_1), n_chunks - (0 if delta else 1)), *args, meta_1)
     meta["SUMMARY"] = False
     _launch_scan((S, _cdiv(D, plan["BLOCK_D"]), n_chunks), *args, meta)
 

@@ -35,8 +35,10 @@ k1, k2 = (load_plugin(name, device="cuda").module for name in ("triton", "triton
 m = _fused_module(False)
 build(k1._ssm_conv_kernel, dict(K=4, BLOCK_KM1=4, BLOCK_K=4, BLOCK_T=32, BLOCK_D=64))
 for chunked, summary, opts, slots in ((True, True, False, 4), (True, False, False, 4), (True, True, True, 4),
-                                     (True, False, True, 4), (False, False, False, 1), (False, False, False, 8)):
-    # opts: the chunked plans' DELTA, REVERSE, CARRY2; slots: tokens in flight (8: a long prompt in one pass)
+                                     (True, False, True, 4), (False, False, False, 1), (False, False, False, 8),
+                                     (True, True, False, 8)):
+    # opts: the chunked plans' DELTA, REVERSE, CARRY2; slots: tokens in flight (8: a long prompt in one pass, and
+    # pass 1 with SLOTS_PASS1)
     build(k1._ssm_scan_kernel, dict(SUMMARY=summary, SLOTS=slots, TILES=slots > 1, CHUNKED=chunked,
                                     HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, DELTA=opts, REVERSE=opts,
                                     CARRY2=opts), warps=2)

@@ -217,11 +217,14 @@ def test_a_plan_with_other_tokens_in_flight_is_refused(plugin):
     inp, _ = make_inputs(1, 9, 8, 4, 4, seed=5)
     with pytest.raises(ValueError, match="SLOTS is 1, 4 or 8, not 2"):
         plugin.module.ssm_scan(*scan_args(inp), plan=dict(SCAN_PLANS["steps-slots-4"], SLOTS=2))
+    with pytest.raises(ValueError, match="SLOTS_PASS1 is 1, 4 or 8, not 6"):
+        plugin.module.ssm_scan(*scan_args(inp), plan=dict(SCAN_PLANS["chunked-3-slots-4"], SLOTS_PASS1=6))
 
 
 # A chunked plan's options (kernels/triton.py _scan_steps) hand work between the passes or reorder it; the
 # arithmetic of every token is the same, so they change no bit.
-CHUNKED_OPTIONS = [dict(DELTA=True), dict(REVERSE=True), dict(CARRY2=True), dict(DELTA=True, REVERSE=True, CARRY2=True)]
+CHUNKED_OPTIONS = [dict(DELTA=True), dict(REVERSE=True), dict(CARRY2=True), dict(DELTA=True, REVERSE=True, CARRY2=True),
+                   dict(SLOTS_PASS1=8)]
 
 
 @pytest.mark.parametrize("name", ["chunked-3-slots-4", "chunked-5", "chunked-19-slots-4"])
@@ -229,7 +232,7 @@ def test_chunked_scan_options_change_no_bit(plugin, name):
     S, T, D, N = 2, 37, 40, 12
     inp, _ = make_inputs(S, T, D, N, 4, seed=3)
     plain = SCAN_PLANS[name]
-    options = CHUNKED_OPTIONS if name != "chunked-5" else CHUNKED_OPTIONS[-1:]
+    options = CHUNKED_OPTIONS if name != "chunked-5" else CHUNKED_OPTIONS[3:4]     # DELTA, REVERSE, CARRY2
     options = options + [dict(DELTA=True, BLOCK_D_PASS1=16 if plain["BLOCK_D"] == 64 else 64)]   # pass 1's own block
     states0 = torch.full((S, T, D, N), float("nan"), device=TORCH_DEVICE)
     y0, h0 = plugin.module.ssm_scan(*scan_args(inp), states_out=states0, plan=plain)

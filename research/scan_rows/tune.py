@@ -1,11 +1,12 @@
 """H200: kernels/triton.py's ssm_scan under forced plans (block, warps, chunks, slots, tiles) and its default plan;
 each checked against float64. Prints a table last; writes tune.json to $OUT.
 
-    TRITON_INTERPRET=0 python3 research/scan_rows/tune.py [b1] [b8] [other] [waves]   # groups (default: all)
+    TRITON_INTERPRET=0 python3 research/scan_rows/tune.py [b1] [b8] [other] [waves] [lead]   # groups (default: all)
 
 The groups split the run across device calls (600 s each) if the whole one does not fit: b1 the d_inner-5120, L-2048
 batch-1 and batch-2 prompts, b8 batch 8, other the rest; waves: chunk counts around whole waves of the batch-1 and
-batch-2 prompts (16 one-warp programs an SM at 100-108 registers: 2112 on 132 SMs)."""
+batch-2 prompts (16 one-warp programs an SM at 100-108 registers: 2112 on 132 SMs); lead: eight tokens in flight in
+pass 1 alone (SLOTS_PASS1), and in both passes, at batch 1 and 2."""
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ def plan(bd, w, nc, slots=4, tiles=True, **opts):
     return dict(schedule="steps", BLOCK_D=bd, n_chunks=nc, SLOTS=slots, TILES=tiles, num_warps=w, **opts)
 
 
-KNOWN = {"b1", "b8", "other", "waves"}
+KNOWN = {"b1", "b8", "other", "waves", "lead"}
 GROUPS = set(sys.argv[1:]) or KNOWN
 if GROUPS - KNOWN:
     sys.exit(f"tune.py: unknown group(s) {sorted(GROUPS - KNOWN)}; choose from {', '.join(sorted(KNOWN))}")
@@ -91,6 +92,9 @@ run(1, 1, 5120, [P(64, 1, 1, 1, False)])
 # pass 2 runs 160 x chunks programs at batch 1: 13 chunks fill one wave of 2112, 26 two (24, the default, 1.82)
 run(1, 2048, 5120, [P(32, 1, c) for c in (12, 13, 22, 25, 26)] + [P(32, 1, 26, **C_)], grp="waves")
 run(2, 2048, 5120, [P(32, 1, c) for c in (6, 13)], grp="waves")
+# eight tokens in flight in pass 1 only (128 registers, still four warps a scheduler; pass 2 would take 133: lead.py)
+run(1, 2048, 5120, [P(32, 1, 24, SLOTS_PASS1=8), P(32, 1, 24, 8), P(32, 1, 26, SLOTS_PASS1=8)], grp="lead")
+run(2, 2048, 5120, [P(32, 1, 12, SLOTS_PASS1=8), P(32, 1, 12, 8)], grp="lead")
 run(64, 1, 5120, [P(32, 1, 1, 1, False), P(64, 2, 1, 1, False)])
 run(1, 64, 5120, [P(32, 1, 1, 4)])
 run(8, 100, 5120, [P(32, 1, 1, 4)])
