@@ -322,16 +322,16 @@ def _ssm_scan_kernel(
         if SLOTS == 8:
             h, dsum = _step(h, dsum, A, x4, dt4, B4, C4, *out, i + 4, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
-            x4, dt4, B4, C4 = _token(x_p, dt_p, B_p, C_p, i + 12, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            x4, dt4, B4, C4 = _token(x_p, dt_p, B_p, C_p, i + SLOTS + 4, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
             h, dsum = _step(h, dsum, A, x5, dt5, B5, C5, *out, i + 5, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
-            x5, dt5, B5, C5 = _token(x_p, dt_p, B_p, C_p, i + 13, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            x5, dt5, B5, C5 = _token(x_p, dt_p, B_p, C_p, i + SLOTS + 5, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
             h, dsum = _step(h, dsum, A, x6, dt6, B6, C6, *out, i + 6, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
-            x6, dt6, B6, C6 = _token(x_p, dt_p, B_p, C_p, i + 14, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            x6, dt6, B6, C6 = _token(x_p, dt_p, B_p, C_p, i + SLOTS + 6, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
             h, dsum = _step(h, dsum, A, x7, dt7, B7, C7, *out, i + 7, n_tok, stride_y_t, stride_so_t, mask_d,
                              mask_dn, SUMMARY, HAS_STATES_OUT, TILES, DELTA)
-            x7, dt7, B7, C7 = _token(x_p, dt_p, B_p, C_p, i + 15, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
+            x7, dt7, B7, C7 = _token(x_p, dt_p, B_p, C_p, i + SLOTS + 7, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)
         i += SLOTS
 
     if SUMMARY:

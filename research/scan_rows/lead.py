@@ -37,6 +37,8 @@ MOD = load_plugin("triton", device="interpret" if WANT == "check" else "cuda").m
 START = "    x0, dt0, B0, C0 = _token(x_p, dt_p, B_p, C_p, 0,"
 END = "        i += SLOTS\n"
 TOKEN = "    {v} = _token(x_p, dt_p, B_p, C_p, {j}, n_tok, *strides_t, mask_d, mask_n, IS_DELTA)\n"
+BASE = dict(TILES=True, HAS_STATES_OUT=False, BLOCK_D=32, BLOCK_N=16, DELTA=False, REVERSE=False, CARRY2=False)
+CASES = (("b1 pass 1", 1, 24, True), ("b1 pass 2", 1, 24, False), ("b8 one pass", 8, 1, False))  # S, chunks, pass 1
 STEP = ("        h, dsum = _step(h, dsum, A, {v}, *out, i + {k}, n_tok, stride_y_t, stride_so_t, mask_d, mask_dn,\n"
         "                        SUMMARY, HAS_STATES_OUT, TILES, DELTA)\n")
 
@@ -67,15 +69,13 @@ def variant(k: int):
 
 def sass():
     from sass import build, launch_values, longest_loop, _tool
-    base = dict(SLOTS=4, TILES=True, HAS_STATES_OUT=False, BLOCK_D=32, BLOCK_N=16, DELTA=False, REVERSE=False,
-                CARRY2=False)
     print("| K | case | registers | stack / local bytes | loop instructions | per token |")
     print("|---|---|---|---|---|---|")
     for k in (4, 6, 8, 12):
         kern = variant(k)
-        for name, S, chunks, summary in (("b1 pass 1", 1, 24, True), ("b1 pass 2", 1, 24, False),
-                                         ("b8 one pass", 8, 1, False)):
-            c = build(kern, launch_values(S, 2048, 5120, 16, chunks), dict(base, CHUNKED=chunks > 1, SUMMARY=summary))
+        for name, S, chunks, summary in CASES:
+            c = build(kern, launch_values(S, 2048, 5120, 16, chunks),
+                      dict(BASE, SLOTS=4, CHUNKED=chunks > 1, SUMMARY=summary))
             res = _tool("cuobjdump", "-res-usage", c)
             regs = re.search(r"REG:(\d+)", res).group(1)
             stack = re.search(r"STACK:(\d+)", res)
@@ -88,16 +88,12 @@ def sass():
 def same():
     """The product kernel with SLOTS 4 and 8 against the probe's K 4 and 8, compiled for sm_90: the same SASS, so
     the probe's timings are the product's (the claim the plan's change rests on until its own CUDA run)."""
-    from sass import build, launch_values, _tool
-    base = dict(TILES=True, HAS_STATES_OUT=False, BLOCK_D=32, BLOCK_N=16, DELTA=False, REVERSE=False, CARRY2=False)
+    from sass import build, instructions, launch_values, _tool
 
     def sass_of(kernel, values, consts):
-        lines = (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", row) for row in
-                 _tool("cuobjdump", "-sass", build(kernel, values, consts)).splitlines())
-        return [m.group(1) for m in lines if m]
-    for name, S, chunks, summary in (("b1 pass 1", 1, 24, True), ("b1 pass 2", 1, 24, False),
-                                     ("b8 one pass", 8, 1, False)):
-        consts, values = dict(base, CHUNKED=chunks > 1, SUMMARY=summary), launch_values(S, 2048, 5120, 16, chunks)
+        return [ins for _, ins in instructions(_tool("cuobjdump", "-sass", build(kernel, values, consts)))]
+    for name, S, chunks, summary in CASES:
+        consts, values = dict(BASE, CHUNKED=chunks > 1, SUMMARY=summary), launch_values(S, 2048, 5120, 16, chunks)
         for k in (4, 8):
             a = sass_of(MOD._ssm_scan_kernel, values, dict(consts, SLOTS=k))
             b = sass_of(variant(k), values, dict(consts, SLOTS=4))
@@ -109,6 +105,7 @@ def check():
     float64: the rewrite changes when a token is loaded, never what is computed."""
     import torch
     from mamba_debug import ops
+    from mamba_debug.metrics import nmse
     torch.manual_seed(0)
     S, T, D, N = 2, 37, 40, 16
     h0, x, dt = torch.randn(S, D, N), torch.randn(S, T, D), torch.randn(S, T, D)
@@ -120,7 +117,7 @@ def check():
         for chunks in (1, 3):
             plan = dict(schedule="steps", BLOCK_D=32, n_chunks=chunks, SLOTS=4, TILES=True, num_warps=1)
             got = MOD.ssm_scan(h0, x, dt, A, B, C, plan=plan)
-            e = max(float(((a.double() - r) ** 2).sum() / (r ** 2).sum()) for a, r in zip(got, ref))
+            e = max(nmse(a, r) for a, r in zip(got, ref))
             print(f"K {k}, {chunks} chunk(s): nmse {e:.1e}")
             assert e < 1e-10, e
     MOD._launch_scan = kept
@@ -130,6 +127,7 @@ def time():
     import torch
     from h200 import bench_cold, scan_inputs
     from mamba_debug import ops
+    from mamba_debug.metrics import nmse
     kept = MOD._launch_scan
     rows = []
     # d_inner 5120: L 2048 chunked (batch 1, 2) and in one pass (4, 8, 16), then shorter one-pass prompts
@@ -141,7 +139,7 @@ def time():
             try:
                 fn = lambda: MOD.ssm_scan(h0, x, dt, A, B, C)  # noqa: E731
                 y, h = fn()
-                e = max(float(((a.double() - r) ** 2).sum() / (r ** 2).sum()) for a, r in zip((y, h), ref))
+                e = max(nmse(a, r) for a, r in zip((y, h), ref))
                 rows.append(dict(batch=S, L=L, K=k, time_us=round(bench_cold(fn), 2), nmse=e))
             except Exception as exc:        # a variant that does not compile or launch is a row, not the end
                 rows.append(dict(batch=S, L=L, K=k, error=f"{type(exc).__name__}: {str(exc)[:120]}"))

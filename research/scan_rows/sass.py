@@ -66,10 +66,15 @@ def _tool(name, flag, compiled):
         return subprocess.run([str(BIN / name), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
+def instructions(sass: str) -> list:
+    """(address, instruction) of each line of cuobjdump's SASS listing."""
+    return [(int(m.group(1), 16), m.group(2)) for m in
+            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+
+
 def longest_loop(sass: str) -> collections.Counter:
     """Opcodes of the longest backward branch's body."""
-    rows = [(int(m.group(1), 16), m.group(2)) for m in
-            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    rows = instructions(sass)
     where = {a: i for i, (a, _) in enumerate(rows)}
     best = []
     for i, (addr, ins) in enumerate(rows):
