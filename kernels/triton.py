@@ -463,8 +463,8 @@ def _scan_steps(plan: dict, S: int, T: int, D: int, N: int, tensors: tuple, stri
     Chunked plans may also set DELTA (pass 1 hands each token's softplus to pass 2: 22% fewer instructions in pass 2's
     loop, pass 1 runs one chunk more and writes 4 bytes a channel and token), REVERSE (pass 2's longest carries are
     started first), CARRY2 (two chunks' summaries loaded at once), BLOCK_D_PASS1 and SLOTS_PASS1 (pass 1's block and
-    tokens in flight); none changes a bit. Off: the first four timed on an H100 (2026-12-05), none faster than the
-    plain plans; SLOTS_PASS1 8 not timed yet (research/scan_rows: `tune.py lead`)."""
+    tokens in flight); none changes a bit. The first four are off: timed on an H100 (2026-12-05), none faster than
+    the plain plans. SLOTS_PASS1 8 is scan_plan's (1-12% faster, H100, 2026-12-06: scan_rows/tune.py lead)."""
     n_chunks = plan["n_chunks"]
     for key in ("SLOTS", "SLOTS_PASS1"):     # the step loop is written for these; another count would skip tokens
         _check("ssm_scan", plan.get(key, 1) in (1, 4, 8), f"a plan's {key} is 1, 4 or 8, not {plan.get(key)!r}")

@@ -200,6 +200,8 @@ SCAN_PLANS = {
     "steps-slots-8": dict(schedule="steps", BLOCK_D=32, n_chunks=1, SLOTS=8, num_warps=1),   # one-pass prompts on a GPU
     "chunked-3-slots-8": dict(schedule="steps", BLOCK_D=16, n_chunks=3, SLOTS=8, num_warps=1),
     "chunked-3-slots-4": dict(schedule="steps", BLOCK_D=16, n_chunks=3, SLOTS=4, num_warps=1),
+    # a chunked prompt on a GPU: eight tokens in flight in pass 1, four in pass 2
+    "chunked-3-pass1-8": dict(schedule="steps", BLOCK_D=16, n_chunks=3, SLOTS=4, SLOTS_PASS1=8, num_warps=1),
     "chunked-5": dict(schedule="steps", BLOCK_D=64, n_chunks=5, SLOTS=1, TILES=False, num_warps=2),
     "chunked-2-slots-1-tiles": dict(schedule="steps", BLOCK_D=32, n_chunks=2, SLOTS=1, num_warps=1),
     "chunked-19-slots-4": dict(schedule="steps", BLOCK_D=64, n_chunks=19, SLOTS=4, num_warps=2),

@@ -92,9 +92,23 @@ run(1, 1, 5120, [P(64, 1, 1, 1, False)])
 # pass 2 runs 160 x chunks programs at batch 1: 13 chunks fill one wave of 2112, 26 two (24, the default, 1.82)
 run(1, 2048, 5120, [P(32, 1, c) for c in (12, 13, 22, 25, 26)] + [P(32, 1, 26, **C_)], grp="waves")
 run(2, 2048, 5120, [P(32, 1, c) for c in (6, 13)], grp="waves")
-# eight tokens in flight in pass 1 only (128 registers, still four warps a scheduler; pass 2 would take 133: lead.py)
+# eight tokens in flight in pass 1 only (128 registers, still four warps a scheduler; pass 2 would take 133: lead.py),
+# the default since the thirty-fourth session
 run(1, 2048, 5120, [P(32, 1, 24, SLOTS_PASS1=8), P(32, 1, 24, 8), P(32, 1, 26, SLOTS_PASS1=8)], grp="lead")
 run(2, 2048, 5120, [P(32, 1, 12, SLOTS_PASS1=8), P(32, 1, 12, 8)], grp="lead")
+
+
+def default_with(S, L, D, **opts):
+    """The default plan at this shape with options added (a chunked plan's option timed at every chunked shape)."""
+    return (f"default {' '.join(f'{k}={v}' for k, v in opts.items())}",
+            dict(mod.scan_plan(S, L, D, 16, device=torch.device("cuda")), **opts))
+
+
+# the default chunked plans take eight in pass 1 since the thirty-fourth session; four there is the plan before
+# (results/lead_pass1_h100_2026-12-06.json: 1-12% slower)
+for S, L, D, states in ((1, 512, 5120, False), (1, 8192, 5120, False), (1, 2048, 1536, False), (1, 2048, 3072, False),
+                        (1, 128, 5120, False), (2, 512, 5120, False), (1, 2048, 5120, True)):
+    run(S, L, D, [default_with(S, L, D, SLOTS_PASS1=4)], states=states, grp="lead")
 run(64, 1, 5120, [P(32, 1, 1, 1, False), P(64, 2, 1, 1, False)])
 run(1, 64, 5120, [P(32, 1, 1, 4)])
 run(8, 100, 5120, [P(32, 1, 1, 4)])
