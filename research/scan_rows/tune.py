@@ -6,7 +6,8 @@ each checked against float64. Prints a table last; writes tune.json to $OUT.
 The groups split the run across device calls (600 s each) if the whole one does not fit: b1 the d_inner-5120, L-2048
 batch-1 and batch-2 prompts, b8 batch 8, other the rest; waves: chunk counts around whole waves of the batch-1 and
 batch-2 prompts (16 one-warp programs an SM at 100-108 registers: 2112 on 132 SMs); lead: eight tokens in flight in
-pass 1 alone (SLOTS_PASS1), and in both passes, at batch 1 and 2."""
+pass 1 alone (SLOTS_PASS1, the default since 2026-12-06), and in both passes, at batch 1 and 2, and the default
+against four in pass 1 (the plan before) at the other chunked shapes."""
 import json
 import os
 import sys
