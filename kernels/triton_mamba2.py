@@ -8,12 +8,14 @@ sequence offsets, inputs never written, fp32 math, the state read at the start a
         -> (y[S,T,H,P], new_state[S,H,P,N])        δ = softplus(dt) (threshold 20), head h reads group h // (H/G)
     rms_norm_gated(x[S,T,Dn], z[S,T,Dn], weight[Dn], eps, n_groups) -> y   (gate, then the norm per group)
 
-Two schedules for the scan, one program per (sequence, head):
-* `chunked` (prefill): the SSD form. Per chunk of Q tokens Λ = cumsum(δA); y = (C Bᵀ ∘ e^{Λt-Λs} δs, lower) x
-  + e^{Λt} C Sᵀ; S ← e^{Λlast} S + (x ∘ e^{Λlast-Λ} δ)ᵀ B. Chunks start at the ubatch start; the state carries
-  over chunk to chunk and ubatch to ubatch.
-* `steps` (decode, and whenever per-token states are wanted): the recurrence token by token, state in registers.
-  Under the interpreter `heads` instead: the same steps for every head of a sequence in one program (the
+Three schedules for the scan (`scan_plan` picks one):
+* `steps` (every compiled call): the recurrence token by token, a program per (sequence, head, BLOCK_P rows of its
+  state), the rows in registers. A head's decay is one number a token, so a step is two multiply-adds a state
+  element, and a prompt's many programs hide each step's latency.
+* `chunked` (interpreted prompts), a program per (sequence, head): the SSD form. Per chunk of Q tokens
+  Λ = cumsum(δA); y = (C Bᵀ ∘ e^{Λt-Λs} δs, lower) x + e^{Λt} C Sᵀ; S ← e^{Λlast} S + (x ∘ e^{Λlast-Λ} δ)ᵀ B. Chunks
+  start at the ubatch start; the state carries over chunk to chunk and ubatch to ubatch.
+* `heads` (interpreted decode and per-token states): the steps for every head of a sequence in one program (the
   interpreter's cost is per operation, not per element: 4-17x less time for the same bits on the shipped shape).
 The norm likewise: a program per token and group (`row`), interpreted many tokens and every group at once (`rows`).
 """
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_debug.triton_launch import Launch, check as _check, check_device, helper_jit, next_pow2
+from mamba_debug.triton_launch import Launch, cdiv, check as _check, check_device, helper_jit, next_pow2
 
 NAME = "triton_mamba2"
 DESCRIPTION = "Triton ssd_scan (chunked SSD prefill, recurrent decode) and grouped gated RMSNorm for Mamba-2"
@@ -59,7 +61,7 @@ def _ssd_steps_kernel(
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = h // heads_per_group
-    offs_p = tl.arange(0, BLOCK_P)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)     # this program's rows of the head's state
     offs_n = tl.arange(0, BLOCK_N)
     mp, mn = offs_p < P, offs_n < N
     m2 = mp[:, None] & mn[None, :]
@@ -227,12 +229,24 @@ _launch_steps, _launch_chunked, _launch_norm, _launch_heads, _launch_norm_rows =
 NORM_TILE = 1 << 16         # elements of one interpreted norm program's tiles (rows x groups x group block)
 
 
+SCHEDULES = ("steps", "heads", "chunked")
+
+
 def scan_plan(S, T, H, P, N, states_out: bool) -> dict:
-    """steps for decode and per-token states (interpreted: heads, the same steps for every head in one program);
-    chunked SSD otherwise. Q: 16 interpreted (fewest operations on small tiles), 64 compiled."""
+    """Compiled: `steps` for every call, a program per (sequence, head, BLOCK_P rows of its state). Timed on an H100
+    (benchmarks/mamba2_gpu.py, 2026-12-06, mamba2-2.7b's heads) it beat `chunked` 39-53x on prompts (1 x 2048
+    tokens 1.23 ms against 47.7) and the plain torch chunked form 4-11x; three launches of the chunked form with
+    every chunk at once were slower than it at every shape (its inner products run on FMA units in fp32, and the
+    state's carry from chunk to chunk stays sequential). Four rows in one warp a program with no per-token states;
+    with them eight over four warps (bound by the states' writes, 1.3x their floor).
+    Interpreted (the cost is per operation, not per element): `heads` for decode and per-token states (every head
+    of a sequence in one program), `chunked` SSD with Q 16 otherwise."""
+    if not INTERPRET:
+        return dict(schedule="steps", BLOCK_P=8, num_warps=4) if states_out else \
+            dict(schedule="steps", BLOCK_P=4, num_warps=1)
     if states_out or T <= 2:
-        return dict(schedule="heads" if INTERPRET else "steps")
-    return dict(schedule="chunked", chunk_size=16 if INTERPRET else 64)
+        return dict(schedule="heads")
+    return dict(schedule="chunked", chunk_size=16)
 
 
 def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = None):
@@ -256,6 +270,8 @@ def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = 
         new_state.copy_(ssm_state)
         return y, new_state
     plan = dict(plan) if plan is not None else scan_plan(S, T, H, P, N, states_out is not None)
+    _check("ssd_scan", plan.get("schedule") in SCHEDULES, f"plan's schedule must be one of {', '.join(SCHEDULES)}, "
+           f"not {plan.get('schedule')!r}")
     block_p, block_n = next_pow2(P), next_pow2(N)
     common = (T, P, N, H // G)
     strides = (*ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
@@ -268,8 +284,11 @@ def ssd_scan(ssm_state, x, dt, A, B, C, *, states_out=None, plan: dict | None = 
                            BLOCK_N=block_n))
         return y, new_state
     if plan["schedule"] == "steps" or states_out is not None:
-        _launch_steps((S, H), (ssm_state, x, dt, A, B, C, y, new_state, so), (*common, *strides, *so_strides),
-                      dict(HAS_STATES_OUT=states_out is not None, BLOCK_P=block_p, BLOCK_N=block_n))
+        bp = min(block_p, next_pow2(int(plan.get("BLOCK_P", block_p))))
+        _launch_steps((S, H, cdiv(P, bp)), (ssm_state, x, dt, A, B, C, y, new_state, so),
+                      (*common, *strides, *so_strides),
+                      dict(HAS_STATES_OUT=states_out is not None, BLOCK_P=bp, BLOCK_N=block_n,
+                           num_warps=int(plan.get("num_warps", 4))))
         return y, new_state
     Q = int(plan["chunk_size"])
     lo = 1 if INTERPRET else 16                    # tl.dot needs 16-wide tiles when compiled
