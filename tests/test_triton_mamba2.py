@@ -59,7 +59,7 @@ CASES = [
     (3, 11, 4, 2, 8, 8, {"schedule": "chunked", "chunk_size": 5}),
     (1, 9, 4, 4, 4, 16, {"schedule": "chunked", "chunk_size": 16}),
     (2, 10, 6, 2, 4, 4, {"schedule": "steps"}),
-    (2, 10, 6, 2, 12, 4, {"schedule": "steps", "BLOCK_P": 4, "num_warps": 1}),
+    (2, 10, 6, 2, 12, 4, {"schedule": "steps", "BLOCK_P": 4, "num_warps": 1, "STAGES": 3}),
     (2, 13, 6, 3, 12, 5, None),
     (2, 10, 6, 3, 4, 5, {"schedule": "heads"}),
     (3, 1, 4, 2, 8, 8, None),
@@ -96,13 +96,14 @@ def test_ssd_scan_across_ubatches_with_chunk_boundaries(k, plan):
     assert rel(torch.cat(ys, 1), y0) <= REL and rel(state, h0) <= REL
 
 
-def test_a_gpu_runs_every_call_in_steps(k, monkeypatch):
-    """Compiled, `steps` serves prompts too (an H100, 2026-12-06: 39-53x faster than `chunked` on mamba2-2.7b's
-    heads, benchmarks/mamba2_gpu.py); the interpreter keeps its own schedules."""
+def test_a_gpu_runs_every_call_in_steps_with_one_plan(k, monkeypatch):
+    """Compiled, `steps` serves prompts too (an H100, 2026-12-06: 45-59x faster than `chunked` on mamba2-2.7b's
+    heads, benchmarks/mamba2_gpu.py), with per-token states or without by one plan; the interpreter keeps its own
+    schedules."""
     monkeypatch.setattr(k, "INTERPRET", False)
-    assert k.scan_plan(1, 2048, 80, 64, 128, states_out=False) == {"schedule": "steps", "BLOCK_P": 4, "num_warps": 1}
-    assert k.scan_plan(8, 512, 80, 64, 128, states_out=True) == {"schedule": "steps", "BLOCK_P": 8, "num_warps": 4}
-    assert k.scan_plan(64, 1, 80, 64, 128, states_out=False)["schedule"] == "steps"
+    plans = [k.scan_plan(S, T, 80, 64, 128, states_out=so) for S, T in ((1, 2048), (8, 512), (64, 1))
+             for so in (False, True)]
+    assert all(p == {"schedule": "steps", "BLOCK_P": 8, "num_warps": 1, "STAGES": 4} for p in plans)
     monkeypatch.setattr(k, "INTERPRET", True)
     assert k.scan_plan(1, 2048, 80, 64, 128, states_out=False) == {"schedule": "chunked", "chunk_size": 16}
 
@@ -111,6 +112,19 @@ def test_an_unknown_schedule_is_refused(k):
     args = to_dev(scan_inputs(1, 5, 2, 1, 4, 4))
     with pytest.raises(ValueError, match="one of steps, heads, chunked, not 'chunks'"):
         k.ssd_scan(*args, plan={"schedule": "chunks", "chunk_size": 4})
+
+
+@pytest.mark.parametrize("S,T", [(2, 40), (3, 1)])
+def test_capturing_the_states_changes_no_bit_of_y(k, S, T):
+    """The default plan with per-token states and without gives y and the new state bit for bit alike on a GPU (one
+    plan: what a compare captures does not move the device's numbers). Interpreted, prompts take `chunked` without
+    states and `heads` with them: two algorithms, checked against float64 above."""
+    if DEVICE != "cuda":
+        pytest.skip("one plan with and without states on a GPU only (MAMBA_DEBUG_TEST_DEVICE=cuda)")
+    args = to_dev(scan_inputs(S, T, 6, 2, 24, 16, seed=11))
+    so = torch.full((S, T, 6, 24, 16), float("nan"), device=TORCH_DEVICE)
+    with_states, without = k.ssd_scan(*args, states_out=so), k.ssd_scan(*args)
+    assert all(torch.equal(a, b) for a, b in zip(with_states, without)) and torch.equal(so[:, -1], without[1])
 
 
 def test_ssd_scan_states_out_every_token(k):
