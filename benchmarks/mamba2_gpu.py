@@ -3,9 +3,9 @@ chunked form (the reference op, float32 on the same GPU), at mamba2-2.7b's head 
 
     TRITON_INTERPRET=0 python3 benchmarks/mamba2_gpu.py [--quick]      # writes $OUT/mamba2_gpu.json, a table last
 
-Prompts (no per-token states): `chunked` (a program per head walks the chunks: the default before 2026-12-06) and
-`steps` over its blocks of P rows and warps; per-token states (what a traced compare asks) and decode: `steps`.
-The default plans are marked. Times: CUDA events around 20 back-to-back
+Prompts without per-token states: `chunked` (a program per head walks the chunks: the default before 2026-12-06)
+and `steps` over rows a program, warps and loads in flight; with per-token states (what a traced compare asks)
+and decode: `steps`. The default plan is marked. Times: CUDA events around 20 back-to-back
 calls after a warm-up (a call's host work overlaps the GPU's), microseconds a call.
 """
 from __future__ import annotations
@@ -55,11 +55,16 @@ def rel(a, b) -> float:
     return float((a.double() - b).abs().max() / b.abs().max())
 
 
+# (BLOCK_P, num_warps, STAGES) of the `steps` plans timed: the default first; 64 rows over 4 warps with no loads in
+# flight was the compiled decode and per-token-states plan before 2026-12-06
+STEPS = [(8, 1, 4), (8, 1, 1), (4, 1, 4), (4, 1, 1), (8, 4, 1), (64, 4, 1)]
+
+
 def plans(T: int, quick: bool) -> list:
-    """The prompt plans timed: `chunked` (the compiled default before 2026-12-06), `steps` over its row blocks and
-    warps (the default now: BLOCK_P 4, one warp). Decode: `steps` only."""
-    steps = [{"schedule": "steps", "BLOCK_P": bp, "num_warps": w} for bp in (1, 2, 4, 8, 64) for w in (1, 4)
-             if not quick or (bp, w) in ((4, 1), (64, 4))]
+    """The plans timed: `chunked` for prompts (the compiled prompt default before 2026-12-06) and `steps` over rows
+    a program, warps and loads in flight (the default for every call now: 8 rows, 1 warp, 4 stages)."""
+    steps = [{"schedule": "steps", "BLOCK_P": bp, "num_warps": w, "STAGES": sg} for bp, w, sg in STEPS
+             if not quick or (bp, w, sg) in ((8, 1, 4), (64, 4, 1))]
     return steps if T <= 2 else [{"schedule": "chunked", "chunk_size": 64}] + steps
 
 
@@ -76,9 +81,8 @@ def main(argv=None) -> int:
         y64, h64 = ops.ssd_scan(*(a.double() for a in (st, x, dt, A, B, C)))
         default = (k.scan_plan(S, T, H, P, N, states_out=False), k.scan_plan(S, T, H, P, N, states_out=True))
         cases = [(p, False) for p in plans(T, args.quick)]
-        if T > 2:                                   # per-token states: steps only (64 x 4: the default before)
-            cases += [({"schedule": "steps", "BLOCK_P": bp, "num_warps": w}, True) for bp in (4, 8, 64)
-                      for w in (1, 4) if not args.quick or (bp, w) in ((8, 4), (64, 4))]
+        if T > 2:                                   # per-token states: steps only
+            cases += [(p, True) for p in plans(T, args.quick) if p["schedule"] == "steps"]
             cases.append(("torch", False))
         for plan, per_token in cases:
             so = torch.empty((S, T, H, P, N), device="cuda") if per_token else None
