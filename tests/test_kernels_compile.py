@@ -51,8 +51,8 @@ for even in (False, True):      # masks where the blocks overhang; none, one seq
 build(interp._ssm_scan_tiled_kernel, dict(HAS_STATES_OUT=True, BLOCK_D=64, BLOCK_N=16, TILE_T=16, STEPS=16))
 build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=True, BLOCK_P=64, BLOCK_N=128, STAGES=1))
 build(k2._ssd_chunked_kernel, dict(BLOCK_Q=64, BLOCK_P=64, BLOCK_N=128))
-build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=False, BLOCK_P=4, BLOCK_N=128, STAGES=3), warps=1)  # GPU plans
-build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=True, BLOCK_P=8, BLOCK_N=128, STAGES=1), warps=4)
+for states in (False, True):      # the GPU's plan (scan_plan), with per-token states and without
+    build(k2._ssd_steps_kernel, dict(HAS_STATES_OUT=states, BLOCK_P=8, BLOCK_N=128, STAGES=4), warps=1)
 build(k2._gated_norm_kernel, dict(BLOCK=1024), floats=("eps",))
 build(k2._ssd_steps_heads_kernel, dict(HAS_STATES_OUT=True, BLOCK_H=8, BLOCK_P=32, BLOCK_N=32))   # interpreter's
 build(k2._gated_norm_rows_kernel, dict(BLOCK_R=16, BLOCK_Q=2, BLOCK=128), floats=("eps",))
