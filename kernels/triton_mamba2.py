@@ -235,16 +235,16 @@ SCHEDULES = ("steps", "heads", "chunked")
 
 def scan_plan(S, T, H, P, N, states_out: bool) -> dict:
     """Compiled: `steps` for every call, a program per (sequence, head, BLOCK_P rows of its state). Timed on an H100
-    (benchmarks/mamba2_gpu.py, 2026-12-06, mamba2-2.7b's heads) it beat `chunked` 45-59x on prompts (1 x 2048
-    tokens 1.01 ms against 47.8) and the plain torch chunked form 5-10x; three launches of the chunked form with
+    (benchmarks/mamba2_gpu.py, 2026-12-06, mamba2-2.7b's heads) it beat `chunked` 46-60x on prompts (1 x 2048
+    tokens 1.01 ms against 47.5) and the plain torch chunked form 5-10x; three launches of the chunked form with
     every chunk at once were slower than it at every shape (its inner products run on FMA units in fp32, and the
     state's carry from chunk to chunk stays sequential). Eight rows in one warp, the loop's loads pipelined four
     tokens deep (STAGES 4: 33-63% faster than 1), one plan with per-token states or without: the same bits either way, so
     what a compare captures does not change the device's numbers (with states the writes bound it).
     Interpreted (the cost is per operation, not per element): `heads` for decode and per-token states (every head
     of a sequence in one program), `chunked` SSD with Q 16 otherwise."""
-    if not INTERPRET:
-        return dict(schedule="steps", BLOCK_P=8, num_warps=1, STAGES=4)
+    if not INTERPRET:                   # a loop of 1-3 tokens has nothing to pipeline
+        return dict(schedule="steps", BLOCK_P=8, num_warps=1, STAGES=4 if T >= 4 else 1)
     if states_out or T <= 2:
         return dict(schedule="heads")
     return dict(schedule="chunked", chunk_size=16)
