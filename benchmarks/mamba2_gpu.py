@@ -55,17 +55,26 @@ def rel(a, b) -> float:
     return float((a.double() - b).abs().max() / b.abs().max())
 
 
-# (BLOCK_P, num_warps, STAGES) of the `steps` plans timed: the default first; 64 rows over 4 warps with no loads in
-# flight was the compiled decode and per-token-states plan before 2026-12-06
+# (BLOCK_P, num_warps, STAGES) of the `steps` plans timed: the defaults first (4 stages from 4 tokens on); 64 rows
+# over 4 warps with no loads in flight was the compiled decode and per-token-states plan before 2026-12-06
 STEPS = [(8, 1, 4), (8, 1, 1), (4, 1, 4), (4, 1, 1), (8, 4, 1), (64, 4, 1)]
 
 
 def plans(T: int, quick: bool) -> list:
     """The plans timed: `chunked` for prompts (the compiled prompt default before 2026-12-06) and `steps` over rows
-    a program, warps and loads in flight (the default for every call now: 8 rows, 1 warp, 4 stages)."""
+    a program, warps and loads in flight (the default for every call now: 8 rows, 1 warp; 4 stages, 1 in decode)."""
     steps = [{"schedule": "steps", "BLOCK_P": bp, "num_warps": w, "STAGES": sg} for bp, w, sg in STEPS
-             if not quick or (bp, w, sg) in ((8, 1, 4), (64, 4, 1))]
+             if not quick or (bp, w, sg) in ((8, 1, 4), (8, 1, 1), (64, 4, 1))]
     return steps if T <= 2 else [{"schedule": "chunked", "chunk_size": 64}] + steps
+
+
+# The torch ops timed beside the kernels: the chunked form in float32, and the float64 recurrence a compare's
+# reference side runs (ops.ssd_scan: two launches a token)
+REFERENCE = {
+    "torch": lambda *a: lambda: ops.ssd_scan_chunked(*a),
+    "float64": lambda *a: (lambda w: lambda: ops.ssd_scan(*w))([t.double() for t in a]),
+}
+IMPL = {"torch": "torch chunked (reference op, fp32)", "float64": "ops.ssd_scan float64 (the reference side's op)"}
 
 
 def main(argv=None) -> int:
@@ -83,18 +92,16 @@ def main(argv=None) -> int:
         cases = [(p, False) for p in plans(T, args.quick)]
         if T > 2:                                   # per-token states: steps only
             cases += [(p, True) for p in plans(T, args.quick) if p["schedule"] == "steps"]
-            cases.append(("torch", False))
+            cases += [("torch", False), ("float64", False)]
         for plan, per_token in cases:
             so = torch.empty((S, T, H, P, N), device="cuda") if per_token else None
-            if plan == "torch":
-                fn = lambda: ops.ssd_scan_chunked(st, x, dt, A, B, C)  # noqa: E731
-            else:
-                fn = lambda plan=plan, so=so: k.ssd_scan(st, x, dt, A, B, C, plan=plan, states_out=so)  # noqa: E731
+            fn = (REFERENCE[plan](st, x, dt, A, B, C) if isinstance(plan, str) else
+                  lambda plan=plan, so=so: k.ssd_scan(st, x, dt, A, B, C, plan=plan, states_out=so))
             y, h = fn()
-            us = timed(fn, 3 if plan == "torch" or plan.get("schedule") == "chunked" else 20)
+            us = timed(fn, 3 if isinstance(plan, str) or plan.get("schedule") == "chunked" else 20)
             row = {"op": "ssd_scan", "S": S, "T": T, "H": H, "P": P, "G": G, "N": N, "gpu": gpu,
-                   "impl": "torch chunked (reference op, fp32)" if plan == "torch" else "triton",
-                   "plan": None if plan == "torch" else plan, "states_out": per_token,
+                   "impl": IMPL[plan] if isinstance(plan, str) else "triton",
+                   "plan": None if isinstance(plan, str) else plan, "states_out": per_token,
                    "default": plan == default[per_token], "time_us": round(us, 1),
                    "rel_err_y": rel(y, y64), "rel_err_state": rel(h, h64),
                    "date": datetime.date.today().isoformat()}
