@@ -239,8 +239,8 @@ def scan_plan(S, T, H, P, N, states_out: bool) -> dict:
     tokens 1.01 ms against 47.5) and the plain torch chunked form 5-10x; three launches of the chunked form with
     every chunk at once were slower than it at every shape (its inner products run on FMA units in fp32, and the
     state's carry from chunk to chunk stays sequential). Eight rows in one warp, the loop's loads pipelined four
-    tokens deep (STAGES 4: 33-63% faster than 1), one plan with per-token states or without: the same bits either way, so
-    what a compare captures does not change the device's numbers (with states the writes bound it).
+    tokens deep from four tokens on (STAGES 4: 33-63% faster than 1); one plan with per-token states or without,
+    so y and the state are the same bits whatever a compare captures (with states the writes bound it).
     Interpreted (the cost is per operation, not per element): `heads` for decode and per-token states (every head
     of a sequence in one program), `chunked` SSD with Q 16 otherwise."""
     if not INTERPRET:                   # a loop of 1-3 tokens has nothing to pipeline
