@@ -34,7 +34,7 @@ test: setup-test
 # again, compiled for that GPU. CI has no GPU and runs them under Triton's interpreter, and a kernel edit that
 # compiles for sm_90 on a CPU can still fail at launch under another Triton version: run this after editing kernels.
 GPU_TESTS = tests/test_triton_kernels.py tests/test_triton_mamba2.py tests/test_site_metrics.py tests/test_gallery.py \
-	tests/test_token_local.py tests/test_precision_verdict.py
+	tests/test_token_local.py tests/test_precision_verdict.py tests/test_reference_scans.py
 test-gpu:
 	MAMBA_DEBUG_TEST_DEVICE=cuda TRITON_INTERPRET=0 $(PYTHON) -m pytest -q $(GPU_TESTS)
 

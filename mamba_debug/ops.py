@@ -8,12 +8,16 @@ hands them non-contiguous views (x, z, dt, B, C are slices of projections, as in
 """
 from __future__ import annotations
 
+import functools
+import warnings
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from .errors import MambaDebugError
+from .triton_env import exec_file, mode
 
 OP_NAMES = ("rms_norm", "linear", "silu", "ssm_conv", "ssm_scan", "ssd_scan", "rms_norm_gated", "attention",
             "transfer")
@@ -89,49 +93,54 @@ def _recurrence_loop(dA, dBx, h, hs):
     return h
 
 
-_GRAPHS: dict = {}           # (shapes, dtype, device) -> (CUDA graph, its static dA, dBx, h, hs)
-GRAPH_MIN_TOKENS = 8         # shorter blocks: the copies in and out cost more than the launches they save
-GRAPH_CACHE = 8              # graphs kept (block shapes): a sweep over ubatches meets a few each
+# Where the recurrence runs as one Triton launch a block (`_recurrence_kernel.py`, the same bits as the loop):
+# "cuda" on GPU tensors (the default), "off" nowhere, "always" on CPU tensors too, interpreted (tests).
+RECURRENCE_KERNEL = "cuda"
 
 
 def _recurrence(dA, dBx, h, hs):
-    """`_recurrence_loop`; on a GPU replayed from a CUDA graph of the same kernels (the same bits): a block's 2 x L
-    launches cost ~25 us of host time each (7 s per reference side of a 2.8B comparison over 2052 tokens), the
-    replay about one launch. One graph per block shape, captured on first use."""
-    L = dA.shape[1]
-    if not dA.is_cuda or L < GRAPH_MIN_TOKENS or torch.cuda.is_current_stream_capturing():
-        return _recurrence_loop(dA, dBx, h, hs)
-    key = (tuple(dA.shape), tuple(h.shape), dA.dtype, h.dtype, dA.device)
-    if key not in _GRAPHS:
-        if len(_GRAPHS) >= GRAPH_CACHE:             # each holds ~4 blocks of buffers: keep the latest few
-            oldest = next(iter(_GRAPHS))
-            torch.cuda.synchronize(oldest[-1])      # no replay of it still running when it goes
-            del _GRAPHS[oldest]
-        _GRAPHS[key] = _capture(dA, dBx, h)
-    graph, s_dA, s_dBx, s_h, s_hs = _GRAPHS[key]
-    s_dA.copy_(dA)
-    s_dBx.copy_(dBx)
-    s_h.copy_(h)
-    graph.replay()
-    hs.copy_(s_hs)
-    return hs[:, -1]
+    """`_recurrence_loop`; on a GPU one launch of `_recurrence_kernel.py` a block: the loop's 2 x L launches each
+    pass over a token's whole state (the reference sides' cost on a GPU)."""
+    kernel = _kernel_for(dA)
+    last = None if kernel is None else kernel.recurrence(dA, dBx, h, hs, 1)
+    return _recurrence_loop(dA, dBx, h, hs) if last is None else last
 
 
-def _capture(dA, dBx, h):
-    with torch.cuda.device(dA.device):
-        bufs = [torch.empty_like(dA, memory_format=torch.contiguous_format),
-                torch.empty_like(dBx, memory_format=torch.contiguous_format),
-                torch.empty_like(h, memory_format=torch.contiguous_format),
-                torch.empty(dA.shape, dtype=dA.dtype, device=dA.device)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):            # warm-up off the capture, as torch.cuda.graph asks
-            _recurrence_loop(*bufs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            _recurrence_loop(*bufs)
-    return (graph, *bufs)
+def _recurrence_heads(decay, h, hs, tmp):
+    """Mamba-2's recurrence over a block: hs[:, t] = decay[:, t] * h_{t-1} + hs[:, t] in place (a multiply into
+    tmp, then an add), decay [S, L, H, 1, 1]; the last h. On a GPU one launch, as `_recurrence`."""
+    kernel = _kernel_for(hs)
+    last = None if kernel is None else kernel.recurrence(decay, hs, h, hs, hs.shape[2])
+    if last is not None:
+        return last
+    for t in range(hs.shape[1]):
+        torch.mul(decay[:, t], h, out=tmp)
+        h = torch.add(tmp, hs[:, t], out=hs[:, t])
+    return h
+
+
+def _kernel_for(t: torch.Tensor):
+    """The recurrence kernel's module for t's device under RECURRENCE_KERNEL, or None (the torch loop)."""
+    if RECURRENCE_KERNEL == "off" or (not t.is_cuda and RECURRENCE_KERNEL != "always"):
+        return None
+    return _kernel_copy(not t.is_cuda)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_copy(interpret: bool):
+    """_recurrence_kernel.py executed for one mode, once per process (as metrics._fused_copy does). Where Triton
+    cannot compile it (not installed, or its library imported interpreted) the torch loop runs: the same bits,
+    slower, and a warning says so once."""
+    try:
+        if interpret:
+            import triton  # noqa: F401, PLC0415
+        with mode(interpret):
+            return exec_file(Path(__file__).with_name("_recurrence_kernel.py"),
+                             f"mamba_debug._recurrence_kernel_{'interpret' if interpret else 'cuda'}")
+    except ImportError as exc:
+        warnings.warn(f"the reference scans' recurrence runs as torch's per-token loop (the same bits, slower): "
+                      f"its Triton kernel cannot be loaded here ({exc})", stacklevel=3)
+        return None
 
 
 def ssm_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
@@ -170,6 +179,11 @@ def _per_head(BC: torch.Tensor, H: int) -> torch.Tensor:
     return BC.repeat_interleave(H // BC.shape[2], dim=2)
 
 
+# Mamba-2's blocks hold 4x _scan_block's 64 MB: a state of mamba2-2.7b's heads is 5.2 MB a token in float64, and
+# blocks of 6 tokens cost a 32-token call 6 x ~7 launches (1.12 ms against 0.59 ms on an H100, the same bits).
+SSD_BLOCK_BYTES = 256 << 20
+
+
 def ssd_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
              B: torch.Tensor, C: torch.Tensor, *, states_out: torch.Tensor | None = None):
     """Mamba-2 scan, one token after the other (the oracle; the chunked SSD form must agree with it).
@@ -188,13 +202,11 @@ def ssd_scan(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torc
     dx = (delta[..., None] * x)[..., None]                          # [S, T, H, P, 1]
     h, ys = ssm_state, []
     tmp = torch.empty_like(h)
-    blk = _scan_block(T, 2 * S * H * P * N * h.element_size())
+    blk = max(1, min(T, SSD_BLOCK_BYTES // (2 * S * H * P * N * h.element_size())))
     for t0 in range(0, T, blk):
         sl = slice(t0, min(t0 + blk, T))
         hs = dx[:, sl] * Bh[:, sl, :, None, :]                      # [S, L, H, P, N]: δ x ⊗ B, then S_t in place
-        for t in range(hs.shape[1]):
-            torch.mul(decay[:, t0 + t], h, out=tmp)
-            h = torch.add(tmp, hs[:, t], out=hs[:, t])
+        h = _recurrence_heads(decay[:, sl], h, hs, tmp)
         ys.append((hs * Ch[:, sl, :, None, :]).sum(-1))             # [S, L, H, P]
         if states_out is not None:
             states_out[:, sl] = hs

@@ -1,4 +1,4 @@
-"""The product's Triton kernels and the metric kernels compiled for an H200 (sm_90) on a machine without a GPU.
+"""The product's Triton kernels, the metric kernels and the reference's recurrence compiled for an H200 (sm_90) on a machine without a GPU.
 
 CI runs every kernel under Triton's interpreter, which executes what the compiler refuses (a global that is not a
 tl.constexpr cost a GPU call once). Here each kernel is compiled for CUDA with the launch parameters the GPU plans
@@ -23,13 +23,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from mamba_debug.metrics import _fused_module
+from mamba_debug.ops import _kernel_copy
 from mamba_debug.plugins import load_plugin
 
-def build(kernel, consts, floats=(), types=None, warps=4):
+def build(kernel, consts, floats=(), types=None, warps=4, **options):
     types = types or {}
     sig = {a: "constexpr" if a in consts else types.get(a) or ("*fp32" if a.endswith(("_ptr", "anchor")) else
            "fp32" if a in floats else "i32") for a in kernel.arg_names}
-    compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps, **options})
 
 k1, k2 = (load_plugin(name, device="cuda").module for name in ("triton", "triton_mamba2"))
 m = _fused_module(False)
@@ -62,6 +64,12 @@ build(m._sites_kernel, dict(A_TWO=True, A_VEC=0, B_TWO=False, B_VEC=2, X_VEC=2, 
       warps=4)
 build(m._sites_kernel, dict(A_TWO=False, A_VEC=1, B_TWO=True, B_VEC=0, X_VEC=1, ROWS=4, BLOCK_X=256), types=f64)
 build(m._combine_kernel, dict(BLOCK_R=128), types=f64)
+# the reference scans' recurrence (mamba_debug/_recurrence_kernel.py) as ops launches it: a multiply, then an add
+r = _kernel_copy(False)
+for dtype in ("*fp64", "*fp32"):
+    ptx = build(r._recurrence_kernel, dict(BLOCK=r.BLOCK, STAGES=r.STAGES), types=dict.fromkeys(
+        ("f_ptr", "u_ptr", "h_ptr", "out_ptr"), dtype), enable_fp_fusion=False).asm["ptx"]
+    assert "fma" not in ptx, f"the recurrence kernel ({dtype}) fuses a multiply-add: the reference's bits change"
 print("ok")
 """
 
