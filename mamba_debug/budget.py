@@ -47,7 +47,8 @@ def comparison_gpu_bytes(cfg: ModelConfig, ubatch: int, n_seqs: int, n_tok: int,
     float64 reference runs a block or the head, that block's weights widened. One ubatch of captured sites for the
     three runners, the float64 working memory of the reference runs and metrics (`arch.working_elements`, measured
     per layer type), attention's KV caches in each runner, and the logits kept for perplexity. Within 1% of the
-    peaks of a 2.8B Mamba-1 at ubatch 64-256, within 4% of a Mamba-2's and a hybrid's (tests/test_engine.py).
+    peaks of a 2.8B Mamba-1 at ubatch 64-256, within 4% of a Mamba-2's (a 2.7B's at ubatch 16 and 32 on an
+    H100: 39.0 and 53.4 GB, 4.1-4.4% over it) and a hybrid's (tests/test_engine.py).
     ubatch: tokens of each sequence in one ubatch; ubatch_seqs: the sequences one ubatch holds (None: all n_seqs)."""
     seqs = n_seqs if ubatch_seqs is None else ubatch_seqs
     stored = _stored_elements(cfg)
