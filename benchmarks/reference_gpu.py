@@ -142,7 +142,8 @@ def mamba2_params(cfg: MambaConfig, seed: int, device: str) -> dict:
     return out
 
 
-def part_e2e(small: bool, layers: int | None, rounds: int, modes: tuple, ubatch: int, breakdown: bool) -> list:
+def part_e2e(small: bool, layers: int | None, rounds: int, modes: tuple, ubatch: int, breakdown: bool,
+             profile: bool = False) -> list:
     cfg = MambaConfig(**dict(MAMBA2_2P7B, **(dict(d_model=64, n_layer=2, vocab_size=97, d_state=16, head_dim=16)
                                             if small else {}), **({"n_layer": layers} if layers else {})),
                       layer_types=("mamba2",) * (2 if small else layers or 64))
@@ -167,6 +168,13 @@ def part_e2e(small: bool, layers: int | None, rounds: int, modes: tuple, ubatch:
                          "kld_max": float(res.logits["kld"].max()), "layers": cfg.n_layer, "tokens": n_tok,
                          "ubatch": s.ubatch, "date": TODAY})
             log(json.dumps(rows[-1], default=str))
+    if profile:                                          # one more under cProfile: where the host's time goes
+        import cProfile  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+        prof = cProfile.Profile()
+        prof.runcall(run_compare, model, prompt, s)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
     if breakdown:                                        # one more with each side synced and timed
         from gpu_e2e import Breakdown  # noqa: PLC0415
         _set(modes[0])
@@ -187,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="part 2's layers (default 64)")
     ap.add_argument("--rounds", type=int, default=2, help="part 2's alternating rounds")
     ap.add_argument("--breakdown", action="store_true", help="part 2: one more run, each side synced and timed")
+    ap.add_argument("--profile", action="store_true", help="part 2: one more run under cProfile (printed)")
     ap.add_argument("--ubatch", type=int, default=32, help="part 2's ubatch (64 needs ~78 GB for the 2.7B: refused "
                                                             "on an 80 GB card)")
     args = ap.parse_args(argv)
@@ -197,7 +206,7 @@ def main(argv=None) -> int:
     parts = set(args.parts.split(","))
     rows = part_ops(args.small, modes) if "ops" in parts else []
     if "e2e" in parts:
-        rows += part_e2e(args.small, args.layers, 1 if args.small else args.rounds, modes, args.ubatch, args.breakdown)
+        rows += part_e2e(args.small, args.layers, 1 if args.small else args.rounds, modes, args.ubatch, args.breakdown, args.profile)
     out = Path(os.environ.get("OUT", ROOT / "out" / "benchmarks-gpu"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "reference_gpu.json").write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "modes": modes,
