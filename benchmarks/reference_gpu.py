@@ -206,7 +206,8 @@ def main(argv=None) -> int:
     parts = set(args.parts.split(","))
     rows = part_ops(args.small, modes) if "ops" in parts else []
     if "e2e" in parts:
-        rows += part_e2e(args.small, args.layers, 1 if args.small else args.rounds, modes, args.ubatch, args.breakdown, args.profile)
+        rows += part_e2e(args.small, args.layers, 1 if args.small else args.rounds, modes, args.ubatch,
+                         args.breakdown, args.profile)
     out = Path(os.environ.get("OUT", ROOT / "out" / "benchmarks-gpu"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "reference_gpu.json").write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "modes": modes,

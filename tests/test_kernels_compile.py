@@ -1,4 +1,5 @@
-"""The product's Triton kernels, the metric kernels and the reference's recurrence compiled for an H200 (sm_90) on a machine without a GPU.
+"""The product's Triton kernels, the metric kernels and the reference's recurrence compiled for an H200 (sm_90) on a
+machine without a GPU.
 
 CI runs every kernel under Triton's interpreter, which executes what the compiler refuses (a global that is not a
 tl.constexpr cost a GPU call once). Here each kernel is compiled for CUDA with the launch parameters the GPU plans

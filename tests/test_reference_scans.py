@@ -104,7 +104,7 @@ def test_the_check_can_fail(monkeypatch):
     assert not torch.equal(y1, torch.stack(ys, 1))
 
 
-def test_the_kernel_takes_a_strided_state_and_refuses_nothing_silently(monkeypatch):
+def test_the_kernel_takes_a_strided_state_and_leaves_other_layouts_to_the_loop(monkeypatch):
     """An incoming state that is a transposed view is copied for the kernel (the same bits as torch's loop); a
     block whose groups are not contiguous is left to the loop, not misread."""
     monkeypatch.setattr(ops, "RECURRENCE_KERNEL", "always")
