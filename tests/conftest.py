@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -43,6 +44,24 @@ def random_params(cfg: MambaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     if cfg.tie_embeddings:
         params["lm_head"] = params["embed"]
     return params
+
+
+def small_delta_compare(cfg: MambaConfig, device: str, seed: int = 4):
+    """A clean random model whose dt_bias gives δ = softplus(dt_bias) log-uniform in [1e-3, 1e-2] (where trained
+    heads sit) compared with the default kernels on `device`: (the result, the worst ratio of a site's error to the
+    float32 reference's own error against float64, the floor), over every site and token."""
+    from mamba_debug.compare import run_compare  # noqa: PLC0415
+    from mamba_debug.settings import RunSettings  # noqa: PLC0415
+    params = random_params(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in params if n.endswith("dt_bias")]:
+        delta = torch.exp(torch.rand(params[name].shape, generator=g, dtype=torch.float64) * math.log(10)
+                          + math.log(1e-3))
+        params[name] = torch.log(torch.expm1(delta))
+    res = run_compare(MambaModel(cfg, params), list(range(1, 14)), RunSettings(ubatch=5, n_gen=2, device=device))
+    worst = max(float((res.errors[k]["rel_l2"] / res.floor[k].clamp_min(1e-8)).nan_to_num(0).max())
+                for k in res.site_order() if k in res.floor)
+    return res, worst
 
 
 def random_model(seed: int = 0, **kw) -> MambaModel:

@@ -9,7 +9,6 @@ output is pre-filled with NaN (through the plug-in's `_empty` hook), so a single
 Errors are NMSE = sum((a - b)^2) / sum(b^2), against the float32 torch ops at llama.cpp's test-backend-ops bar
 (1e-7) and against the float64 reference at what fp32 rounding allows.
 """
-import math
 import os
 
 import pytest
@@ -539,19 +538,7 @@ def test_a_clean_mamba1_with_small_deltas_stays_near_the_float32_floor():
     """Mamba-1's twin of test_triton_mamba2's guard: dt_bias set for δ = softplus(dt_bias) in [1e-3, 1e-2], as
     trained channels have it; every site of the default kernels within 10x the float32 reference's own error against
     float64 (2.0x measured; a softplus written as log(1 + exp(dt)), Mamba-2's defect until 2026-12-06, 23.9x)."""
-    from conftest import random_params
-    from mamba_debug.compare import run_compare
+    from conftest import small_delta_compare
     from mamba_debug.config import MambaConfig
-    from mamba_debug.model import Model
-    from mamba_debug.settings import RunSettings
-    cfg = MambaConfig(d_model=32, n_layer=3, vocab_size=61, d_state=8, d_conv=4)
-    params = random_params(cfg, seed=4)
-    g = torch.Generator().manual_seed(4)
-    for name in [n for n in params if n.endswith("dt_bias")]:
-        delta = torch.exp(torch.rand(params[name].shape, generator=g, dtype=torch.float64) * math.log(10)
-                          + math.log(1e-3))
-        params[name] = torch.log(torch.expm1(delta))
-    res = run_compare(Model(cfg, params), list(range(1, 14)), RunSettings(ubatch=5, n_gen=2, device=DEVICE))
-    worst = max(float((res.errors[k]["rel_l2"] / res.floor[k].clamp_min(1e-8)).nan_to_num(0).max())
-                for k in res.site_order() if k in res.floor)
+    res, worst = small_delta_compare(MambaConfig(d_model=32, n_layer=3, vocab_size=61, d_state=8, d_conv=4), DEVICE)
     assert res.first_divergence is None and worst <= 10, worst
