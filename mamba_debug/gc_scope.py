@@ -11,7 +11,11 @@ frees.
 
 Process-wide settings, so: only the outermost scope of any thread acts (a counter under a lock), and not at all when
 the process has frozen objects of its own (`gc.get_freeze_count() > 0` at entry: unfreezing those is not ours to
-do) or turned the collector off.
+do) or turned the collector off. Nor does the exit unfreeze when someone froze objects while the scope was open
+(another thread, a library about to fork): `gc.unfreeze()` would undo their freeze, so the heap then stays frozen as
+they asked. A marker made just after our freeze tells: it is among the collector's objects at exit unless a freeze
+took it. (The freeze count cannot tell: it also drops whenever a frozen object dies.) Listing those objects is cheap
+there, as they are only what the scope allocated and kept.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ YOUNG_THRESHOLD = 20_000    # allocations between young collections inside a sco
 _lock = threading.Lock()
 _depth = 0
 _saved = None               # the thresholds to restore, when the outermost scope froze the heap
+_marker = None              # a container made just after that freeze: frozen at exit only by someone else's freeze
 
 
 @contextmanager
@@ -37,20 +42,22 @@ def young_only():
 
 
 def _enter():
-    global _depth, _saved
+    global _depth, _saved, _marker
     with _lock:
         if _depth == 0 and gc.isenabled() and gc.get_freeze_count() == 0:
             _saved = gc.get_threshold()
             gc.freeze()
+            _marker = []
             gc.set_threshold(max(YOUNG_THRESHOLD, _saved[0]), *_saved[1:])
         _depth += 1
 
 
 def _leave():
-    global _depth, _saved
+    global _depth, _saved, _marker
     with _lock:
         _depth -= 1
         if _depth == 0 and _saved is not None:
-            gc.unfreeze()
+            if any(o is _marker for o in gc.get_objects()):     # nobody else froze the heap meanwhile
+                gc.unfreeze()
             gc.set_threshold(*_saved)
-            _saved = None
+            _saved = _marker = None
