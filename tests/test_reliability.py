@@ -466,9 +466,9 @@ def test_sigterm_stops_a_parallel_sweep_within_seconds(tmp_path, folder):
     import time
     out = tmp_path / "sw.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    # long enough to outlast the wait below on a fast machine (a 5-token prompt's 72 cells once took 2 s, and the
-    # signal then met a sweep already closing)
-    prompt = " ".join(str(i % 50 + 1) for i in range(40))
+    # long enough to outlast the wait below on a fast machine (a 5-token prompt's 72 cells once took 2 s, a 40-token
+    # prompt's 120 cells 2.6 s under CI, and the signal then met a process already exiting: -15, not 130)
+    prompt = " ".join(str(i % 50 + 1) for i in range(200))
     p = subprocess.Popen([sys.executable, "-m", "mamba_debug", "sweep", "--model", str(folder), "--workers", "2",
                           "--ubatches", "1..40", "--json", str(out), "--prompt", prompt, "--n-gen", "1",
                           "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True)
