@@ -123,8 +123,8 @@ def _test_source() -> str:
     ref = "\n\n".join(inspect.getsource(getattr(ops_module, f))
                       for f in ("rms_norm", "linear", "silu", "softplus", "ssm_conv", "_scan_block", "_recurrence_loop",
                                 "ssm_scan"))
-    ref = ref.replace("\ndef ssm_scan(", "\n_recurrence = _recurrence_loop      # mamba_debug's GPU graph replay: not needed "
-                                        "here\n\n\ndef ssm_scan(", 1)
+    ref = ref.replace("\ndef ssm_scan(", "\n_recurrence = _recurrence_loop      # mamba_debug's Triton kernel for "
+                                        "GPUs: the same bits\n\n\ndef ssm_scan(", 1)
     return f'''"""Replay of real op inputs exported by `mamba-debug export-case`: each recorded call of the kernel
 plug-in is run again on exactly those inputs (views rebuilt with their strides) and compared with a float64
 reference. Self-contained: needs torch, safetensors, pytest and the plug-in file named in case.json

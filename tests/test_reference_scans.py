@@ -76,9 +76,8 @@ def test_ssm_scan_is_the_per_token_loop(recurrence, device, dtype, S, T, D, N, b
                                                (3, 17, 8, 16, 1, 64, None), (1, 33, 24, 64, 1, 128, 8)])
 def test_ssd_scan_is_the_per_token_loop(recurrence, device, dtype, S, T, H, P, G, N, block, monkeypatch):
     monkeypatch.setattr(ops, "RECURRENCE_KERNEL", RECURRENCES[recurrence])
-    if block:                                  # blocks of `block` tokens: 2 states a token in the block
-        per_token = 2 * S * H * P * N * torch.empty(0, dtype=dtype).element_size()
-        monkeypatch.setattr(ops, "SSD_BLOCK_BYTES", block * per_token)
+    if block:
+        monkeypatch.setattr(ops, "_scan_block", lambda T, per_token: block)
     mk = _inputs((S, T, H, P), dtype, device, S * T + H)
     x = mk(S, T, 2 * H * P)[..., :H * P].unflatten(-1, (H, P))
     dt, A, B, C, h0 = mk(S, T, H) - 2, -torch.exp(mk(H)), mk(S, T, G, N), mk(S, T, G, N), mk(S, H, P, N)
