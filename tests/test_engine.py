@@ -104,6 +104,27 @@ def test_fewer_ubatch_tokens_than_sequences_runs_llamacpps_groups(model, plugin)
     assert whole["config"]["seqs_per_ubatch"] == 2
 
 
+WRONG_SCAN = '''
+from mamba_debug.ops import ssm_scan as ref
+def ssm_scan(state, x, dt, A, B, C, *, states_out=None):
+    y, h = ref(state, x, dt, A, B, C, states_out=states_out)
+    return 3 * y, h
+OPS = {"ssm_scan": ssm_scan}
+'''
+
+
+def test_every_sequence_group_is_observed_after_the_device_generated_on_its_own(model, plugin):
+    """A group's free-running device generation (free_run, when the device picks another token) once left the
+    device runner unobserved: every later group then read as the reference itself (zero error, KLD 0)."""
+    path = plugin(WRONG_SCAN)
+    runs = {fr: _run(model, offload=2, ubatch=1, n_seqs=4, kernels=path, free_run=fr) for fr in (True, False)}
+    assert runs[True].generations["first_difference"][:2] != [None, None], "group 1 must generate on its own"
+    for key, e in runs[False].errors.items():
+        assert torch.equal(runs[True].errors[key]["rel_l2"], e["rel_l2"]), key
+    assert torch.equal(runs[True].logits["kld"], runs[False].logits["kld"])
+    assert float(runs[True].logits["kld"][2:].mean(1).min()) > 0
+
+
 def test_float64_reference_side_has_no_false_alarm(model):
     assert _run(model, offload=5, reference="float64").first_divergence is None
 

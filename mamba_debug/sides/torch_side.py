@@ -238,6 +238,10 @@ class TorchSide:
         self.runner.load_states(state)
 
     def free_step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One ubatch with nothing observed (the device's own generation, after the comparison): logits."""
-        self.runner.observer = None
-        return self.runner.forward(tokens)
+        """One ubatch with nothing observed (the device's own generation, after the comparison): logits. The
+        observer comes back after: the next group of sequences runs on this side too."""
+        observer, self.runner.observer = self.runner.observer, None
+        try:
+            return self.runner.forward(tokens)
+        finally:
+            self.runner.observer = observer
