@@ -39,6 +39,12 @@ def _flag(help: str, *, commands: str = "run", **kw) -> dict:
     return {"help": help, "commands": commands, **kw}
 
 
+def whole_ubatch(n_prompt: int, n_seqs: int) -> int:
+    """The smallest -ub that holds the whole prompt of every sequence in one ubatch (-ub counts tokens across the
+    sequences): every larger one runs the same schedule."""
+    return n_prompt * n_seqs
+
+
 @dataclass(frozen=True)
 class RunSettings:
     offload: Optional[int] = field(default=None, metadata=_flag(

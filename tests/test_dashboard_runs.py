@@ -112,3 +112,30 @@ def test_dashboard_set_refuses_a_value_its_control_would_clamp_naming_the_contro
     assert d.state.run.offload == 3 and d.state.run.ubatch == 4
     with pytest.raises(MambaDebugError, match=re.escape("Dashboard(result=...) takes a CompareResult")):
         Dashboard(random_model(n_layer=2), [1, 2, 3, 4], kernels="torch", result="x", autorun=False)
+
+
+def test_with_several_sequences_each_ubatch_up_to_all_their_prompt_tokens_is_its_own_run():
+    """-ub counts tokens across the sequences: with 2 sequences of 10 tokens, ubatch 10 runs two ubatches and only
+    20 holds the whole prompt. The dashboard once capped its ubatch at 10 tokens: a seeded ubatch-512 result stood
+    in for ubatch 10 (a cache hit of another schedule), the status called ubatch 10 the whole prompt, and 20 could
+    not be chosen."""
+    pytest.importorskip("ipywidgets", reason="the dashboard needs ipywidgets (requirements-lab.txt)")
+    from mamba_debug.compare import run_compare
+    from mamba_debug.dashboard import Dashboard
+    from mamba_debug.settings import RunSettings
+
+    model, P = random_model(), len(IDS)
+    whole = run_compare(model, IDS, RunSettings(device="interpret", kernels="bug_state_not_carried", n_gen=2,
+                                                n_seqs=2, offload=2, ubatch=512))
+    assert whole.first_divergence["token"] == P             # the prompt in one ubatch: no state to carry until then
+    dash = Dashboard(model, IDS, kernels="bug_state_not_carried", device="interpret", n_gen=2, n_seqs=2,
+                     result=whole)
+    assert dash.w_ubatch.max == 2 * P and dash.w_ubatch.value == 2 * P
+    assert "ubatch 20 (the whole prompt of every sequence)" in dash.w_status.value
+    dash.set(ubatch=P)
+    assert dash.errors == [] and dash.timings["source"] == "run"
+    fd = dash.result.first_divergence
+    assert fd["token"] == P // 2 and fd == run_compare(model, IDS, dash.state.run).first_divergence
+    assert f"ubatch {P}<br>" in dash.w_status.value
+    dash.set(ubatch=1000)                                    # past the top: the whole prompt's run again
+    assert dash.result is whole and dash.timings["source"] == "cache"

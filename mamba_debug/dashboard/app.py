@@ -34,7 +34,7 @@ import traceback
 from collections import OrderedDict
 from typing import Optional, Sequence, Union
 
-from ..settings import RunSettings
+from ..settings import RunSettings, whole_ubatch
 from ..errors import MambaDebugError
 from ..trace import CompareResult, require_result
 from ..views import registry
@@ -94,10 +94,11 @@ class Dashboard(SweepPanel):
         self._base = RunSettings(n_gen=n_gen, n_seqs=n_seqs, device=device, reference=reference, rule=rule,
                                  llama_lib=llama_lib)
         self._llama_device = llama_device
-        P = max(len(ids) for ids in self.prompt_ids)
+        P = self._n_prompt = max(len(ids) for ids in self.prompt_ids)
         self.sweep_offloads = list(sweep_offloads) if sweep_offloads is not None else \
             sorted({0, self.n_layer // 2, self.n_layer, self.n_layer + 1})
-        self.sweep_ubatches = list(sweep_ubatches) if sweep_ubatches is not None else sorted({1, min(8, P), P})
+        top = whole_ubatch(P, n_seqs)
+        self.sweep_ubatches = list(sweep_ubatches) if sweep_ubatches is not None else sorted({1, min(8, top), top})
         self.sweep: dict = {"offloads": [], "ubatches": [], "cells": [], "kernels": kernels}
         self._sweep_cells: dict[tuple, dict] = {}     # (kernels or llama.cpp, prompt, offload, ubatch) -> cell
         self.views = {v.name: v for v in registry.VIEWS}
@@ -107,7 +108,7 @@ class Dashboard(SweepPanel):
         # each figure view's axes numbers, drawn once and reused while they stay the same (views.blit)
         self._layers = {v.name: StaticLayer() for v in registry.VIEWS if v.kind == "figure"}
         self._sweep_layer = StaticLayer()         # the sweep matrix as a PNG (without ipympl)
-        self.controls = Controls(model.config, self.prompts, P, kernels=kernels, offload=offload, ubatch=ubatch or P,
+        self.controls = Controls(model.config, self.prompts, P, kernels=kernels, offload=offload, ubatch=ubatch or top,
                                  n_seqs=n_seqs, n_gen=n_gen, figures=self._figs, engine=engine)
         for name, w in vars(self.controls).items():     # the widgets are the dashboard's: dash.w_offload, ...
             if name.startswith("w_"):
@@ -151,6 +152,7 @@ class Dashboard(SweepPanel):
         if llama:
             self._llama_device = key.device
         with self._hold():
+            self.w_ubatch.max = whole_ubatch(self._n_prompt, key.n_seqs)     # before its value: a slider clamps
             self.w_prompt.value, self.w_offload.value, self.w_ubatch.value = prompt, key.offload, key.ubatch
             self.w_engine.value = key.engine
             if not llama:

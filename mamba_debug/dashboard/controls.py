@@ -14,7 +14,7 @@ from typing import Optional
 from ..arch import all_sites
 from ..metrics import METRICS
 from ..plugins import list_kernels
-from ..settings import ENGINES
+from ..settings import ENGINES, whole_ubatch
 from ..views.base import FIELDS, SCREEN_DPI, screen_width
 from ..views.registry import VIEWS
 
@@ -74,8 +74,9 @@ def status_html(res, verdict: str) -> str:
     if res is None:
         return "<i>no run yet</i>"
     colour = "#c00" if res.first_divergence else "#070"
-    ub = res.settings.ubatch
-    ub_text = f"ubatch {ub}" if ub < res.n_prompt else f"ubatch {res.n_prompt} (the whole prompt)"
+    ub, whole = res.settings.ubatch, whole_ubatch(res.n_prompt, res.settings.n_seqs)
+    every = " of every sequence" if res.settings.n_seqs > 1 else ""
+    ub_text = f"ubatch {ub}" if ub < whole else f"ubatch {whole} (the whole prompt{every})"
     where, device = engine_lines(res)
     return (f"<div style='font-size:12px;line-height:1.4'><b>{where}</b>, "
             f"{ub_text}<br><span style='color:#666'>{device}</span><br>"
@@ -171,7 +172,8 @@ class Controls:
         self.w_offload = W.IntSlider(value=L + 1 if offload is None else offload, min=0, max=L + 1,
                                      description="offload", continuous_update=False, style=STYLE,
                                      tooltip="like -ngl: the last N blocks (and the head when N > n_layer) on the device")
-        self.w_ubatch = W.IntSlider(value=min(ubatch, P), min=1, max=P, description="ubatch",
+        top = whole_ubatch(P, n_seqs)
+        self.w_ubatch = W.IntSlider(value=min(ubatch, top), min=1, max=top, description="ubatch",
                                     continuous_update=False, style=STYLE)
         self.w_kernels = W.Dropdown(options=knames, value=kernels, description="kernels", style=STYLE)
         self.w_engine = W.Dropdown(options=list(ENGINES), value=engine, description="engine", style=STYLE,

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 from ..compare import run_compare
 from ..errors import MambaDebugError
 from ..model import prompt_list
-from ..settings import RunSettings
+from ..settings import RunSettings, whole_ubatch
 from ..settings_checks import check_count
 from ..sweep import same_run_offloads
 from ..trace import find_first_divergence
@@ -105,9 +105,10 @@ def llama_cpp_problem(llama_lib: Optional[str], device: str) -> Optional[str]:
 
 
 def dashboard_settings(settings: RunSettings, n_prompt: int) -> RunSettings:
-    """The dashboard's key for a run with these settings: every ubatch >= the prompt is one schedule (one ubatch),
-    and the capture knobs are the dashboard's own."""
-    return settings.replace(ubatch=min(settings.ubatch, n_prompt), **DASHBOARD_RUN)
+    """The dashboard's key for a run with these settings: every ubatch >= the prompt's tokens of all sequences is
+    one schedule (one ubatch; -ub counts tokens across the sequences), and the capture knobs are the dashboard's
+    own."""
+    return settings.replace(ubatch=min(settings.ubatch, whole_ubatch(n_prompt, settings.n_seqs)), **DASHBOARD_RUN)
 
 
 def moved_head(res, offload: int, n_layer: int):

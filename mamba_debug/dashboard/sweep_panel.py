@@ -10,7 +10,7 @@ import time
 from typing import Optional
 
 from ..gc_scope import young_only
-from ..settings import RunSettings
+from ..settings import RunSettings, whole_ubatch
 from ..sweep import run_sweep, sweep_cell
 from ..trace import CompareResult
 
@@ -43,10 +43,10 @@ class SweepPanel:
 
     def _seed_sweep(self, sweep: dict):
         prompt = self.w_prompt.value
-        P = len(self.prompt_ids[prompt])
+        top = whole_ubatch(len(self.prompt_ids[prompt]), self._base.n_seqs)
         for cell in sweep["cells"]:
             if cell.get("n_seqs", self._base.n_seqs) == self._base.n_seqs:
-                ub = min(cell["ubatch"], P)
+                ub = min(cell["ubatch"], top)
                 self._sweep_cells[(sweep_key(sweep), prompt, cell["offload"], ub)] = dict(cell, ubatch=ub)
         self._rebuild_sweep()
 
@@ -76,7 +76,8 @@ class SweepPanel:
         offloads = list(offloads) if offloads is not None else self.sweep_offloads
         ubatches = list(ubatches) if ubatches is not None else self.sweep_ubatches
         ids = self._ids(st)
-        ubatches = [u for u in ubatches if 1 <= u <= len(ids)] or [len(ids)]
+        top = whole_ubatch(len(ids), st.run.n_seqs)
+        ubatches = [u for u in ubatches if 1 <= u <= top] or [top]
         base = st.run.replace(capture="metrics")
         bar = self.w_progress
         bar.layout.visibility, bar.max, bar.value, bar.bar_style = "visible", len(ubatches), 0, "warning"
