@@ -319,7 +319,8 @@ def cmd_export_case(args) -> int:
                            for n in ("inputs.safetensors", "case.json", "test_case.py")})
     model, ids = model_and_prompt(args)
     case = export_case(model, ids, settings_from(args, capture="metrics", free_run=False), args.out)
-    print(f"exported {len(case['calls'])} op call(s) of layer {case['layer']} in ubatch {case['ubatch']} to "
+    where = "the output head" if case["layer"] is None else f"layer {case['layer']}"
+    print(f"exported {len(case['calls'])} op call(s) of {where} in ubatch {case['ubatch']} to "
           f"{args.out}; replay with: pytest {Path(args.out) / 'test_case.py'}")
     return 0
 

@@ -63,12 +63,11 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
     fd = res.first_divergence
     if fd is None:
         raise MambaDebugError("nothing diverged in this configuration, so there is no failing case to export")
-    if fd["layer"] is None or not res.placement.on_device(fd["layer"]):
-        layer = res.placement.first_device_layer if fd["layer"] is None else fd["layer"]
-        if layer >= model.config.n_layer:
-            raise MambaDebugError("the first divergence is in the output head; export-case replays block ops only")
-    else:
-        layer = fd["layer"]
+    layer = fd["layer"]                                     # None: the output head (its norm and the logits)
+    if layer is None and not res.placement.head_on_device:
+        raise MambaDebugError(f"the first divergence is the output head's '{fd['site']}', which ran on the host: "
+                              f"the device blocks' errors, each under its threshold, added up there, and no device "
+                              f"op diverged to export; see them with `mamba-debug compare --capture all`")
     s = res.settings                                        # validated: the device that really ran
     device = s.device
     devs = device_backends(s.kernels, device, s.devices, uses=model_ops(model.config))
@@ -77,10 +76,12 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
     rec = _Recorder(layer, fd["ubatch"], set(overridden))
     host = cpu_backend(resolve_ref_device(s.ref_device))    # the host blocks where the comparison ran them
     runner = Runner(model, host, devs, res.placement, observer=rec)
-    tokens = res.tokens
-    runner.reset(tokens.shape[0])
+    seq = fd["seq"]                                         # its group of sequences ran alone (-ub + 1 < n_seqs)
+    a, b = next((a, b) for a, b in s.seq_groups(res.tokens.shape[0]) if a <= seq < b)
+    tokens = res.tokens[a:b]
+    runner.reset(b - a)
     pos = 0
-    for t in res.token_info:                                # replay the same ubatch schedule
+    for t in res.token_infos(seq):                          # replay the same ubatch schedule
         if t.index_in_ubatch == 0:
             rec.ubatch = t.ubatch
             runner.forward(tokens[:, pos:pos + t.ubatch_len])
@@ -97,7 +98,7 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
     with atomic_path(out / "inputs.safetensors") as tmp:
         save_file(store, str(tmp))
     kpath = None if s.kernels in (None, "torch") else str(resolve_kernels(s.kernels))
-    case = {"layer": layer, "ubatch": fd["ubatch"], "first_divergence": fd, "kernels": s.kernels,
+    case = {"layer": layer, "seqs": [a, b], "ubatch": fd["ubatch"], "first_divergence": fd, "kernels": s.kernels,
             "kernels_path": kpath, "device": device, "calls": calls, "nmse_limit": 1e-7}
     write_text(out / "case.json", json.dumps(case, indent=1, default=str))
     write_text(out / "test_case.py", _test_source())
@@ -119,12 +120,14 @@ def replay_case(case_dir, kernels=None):
                            str(case_dir / "test_case.py")], capture_output=True, text=True, cwd=case_dir, env=env)
 
 
+# the float64 reference ops copied into a replay, with what they call; every op of TORCH_OPS has its reference there
+REFERENCE_SOURCES = ("rms_norm", "linear", "silu", "softplus", "ssm_conv", "_scan_block", "_recurrence_loop",
+                     "_recurrence", "_recurrence_heads", "ssm_scan", "_per_head", "ssd_scan", "rms_norm_gated",
+                     "attention", "transfer")
+
+
 def _test_source() -> str:
-    ref = "\n\n".join(inspect.getsource(getattr(ops_module, f))
-                      for f in ("rms_norm", "linear", "silu", "softplus", "ssm_conv", "_scan_block", "_recurrence_loop",
-                                "ssm_scan"))
-    ref = ref.replace("\ndef ssm_scan(", "\n_recurrence = _recurrence_loop      # mamba_debug's Triton kernel for "
-                                        "GPUs: the same bits\n\n\ndef ssm_scan(", 1)
+    ref = "\n\n".join(inspect.getsource(getattr(ops_module, f)) for f in REFERENCE_SOURCES)
     return f'''"""Replay of real op inputs exported by `mamba-debug export-case`: each recorded call of the kernel
 plug-in is run again on exactly those inputs (views rebuilt with their strides) and compared with a float64
 reference. Self-contained: needs torch, safetensors, pytest and the plug-in file named in case.json
@@ -145,9 +148,15 @@ CASE = json.loads((HERE / "case.json").read_text())
 SOFTPLUS_THRESHOLD = 20.0
 
 # ---- float64 reference ops (copied from mamba_debug.ops) ----
+def _kernel_for(t):
+    """Always torch's per-token loop here (mamba_debug runs it as a Triton kernel on GPUs: the same bits)."""
+    return None
+
+
 {ref}
 
-REFERENCE = {{"rms_norm": rms_norm, "linear": linear, "silu": silu, "ssm_conv": ssm_conv, "ssm_scan": ssm_scan}}
+REFERENCE = {{{", ".join(f'"{op}": {op}' for op in ops_module.TORCH_OPS)}}}
+WHERE = "the output head" if CASE["layer"] is None else f"layer {{CASE['layer']}}"
 
 
 def _plugin_ops():
@@ -199,6 +208,6 @@ def test_recorded_call_matches_float64_reference(n):
     want = want if isinstance(want, tuple) else (want,)
     for i, (g, w) in enumerate(zip(got, want)):
         err = _nmse(g, w)
-        assert err <= CASE["nmse_limit"], (f"{{call['op']}} output {{i}} (layer {{CASE['layer']}}, ubatch "
-                                           f"{{CASE['ubatch']}}): NMSE {{err:.3g}} > {{CASE['nmse_limit']}}")
+        assert err <= CASE["nmse_limit"], (f"{{call['op']}} output {{i}} ({{WHERE}}, ubatch {{CASE['ubatch']}}): "
+                                           f"NMSE {{err:.3g}} > {{CASE['nmse_limit']}}")
 '''

@@ -373,10 +373,11 @@ class Runner:
         h = self._cross(h, src, self.head_slot, b)
         w, widen = self.model.stored_weights(b)
         w = {k: w[k].to(b.dtype) for k in ("norm_f", "lm_head")} if widen else w
+        ops = b.ops if not hasattr(self.observer, "op") else _ObservedOps(b.ops, None, self.observer)
         with _on(b.device):
-            final = b.ops.rms_norm(h, w["norm_f"], self.cfg.rms_eps)
+            final = ops.rms_norm(h, w["norm_f"], self.cfg.rms_eps)
             self._site(None, MODEL_SITES[0], final)
-            logits = b.ops.linear(final, w["lm_head"])
+            logits = ops.linear(final, w["lm_head"])
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
         self._site(None, MODEL_SITES[1], logits)

@@ -1,0 +1,107 @@
+"""export-case: the calls it records are the ones the failing run made (a group of sequences' own ubatches, the output
+head's ops), and its replay has a float64 reference for every op a plug-in may override (Mamba-2 and hybrids too)."""
+from __future__ import annotations
+
+import pytest
+
+from mamba_debug.errors import MambaDebugError
+from mamba_debug.export import export_case, replay_case
+from mamba_debug.settings import RunSettings
+
+from conftest import random_model
+from test_mamba2 import hybrid_model, mamba2_model
+
+PROMPT = [(11 * i + 5) % 53 for i in range(12)]
+
+WRONG = '''
+from mamba_debug import ops
+def {op}(*args, **kwargs):
+    out = ops.{op}(*args, **kwargs)
+    return (1.5 * out[0], out[1]) if isinstance(out, tuple) else 1.5 * out
+OPS = {{"{op}": {op}}}
+'''
+RIGHT = '''
+from mamba_debug import ops
+OPS = {{"{op}": ops.{op}}}
+'''
+
+
+def _write(tmp_path, name, src):
+    f = tmp_path / name
+    f.write_text(src)
+    return str(f)
+
+
+@pytest.mark.parametrize("op, make", [("ssd_scan", mamba2_model), ("rms_norm_gated", mamba2_model),
+                                      ("attention", hybrid_model)])
+def test_a_mamba2_or_hybrid_op_replays_against_its_float64_reference(tmp_path, op, make):
+    """The replay's references were Mamba-1's only: every Mamba-2 or hybrid case failed with KeyError: 'ssd_scan'
+    (its op), a correct plug-in's as well as the bug's."""
+    case = export_case(make(), PROMPT, RunSettings(device="cpu", kernels=_write(tmp_path, "bad.py", WRONG.format(op=op)),
+                                                   ubatch=4, n_gen=1), tmp_path / "case")
+    assert {c["op"] for c in case["calls"]} == {op}
+    bad = replay_case(tmp_path / "case")
+    assert bad.returncode == 1 and "NMSE" in bad.stdout, bad.stdout[-2000:]
+    good = replay_case(tmp_path / "case", _write(tmp_path, "good.py", RIGHT.format(op=op)))
+    assert good.returncode == 0, good.stdout[-2000:]
+
+
+MULTI_TOKEN_SILU = '''
+from mamba_debug.ops import silu as ref
+def silu(x):
+    y = ref(x)
+    if x.shape[1] > 1:                 # wrong only where a call holds several tokens of a sequence
+        y = y.clone(); y[:, 1:] += 0.5
+    return y
+OPS = {"silu": silu}
+'''
+
+
+def test_a_group_of_sequences_is_replayed_with_its_own_ubatches(tmp_path):
+    """-ub 3 with 5 sequences: llama.cpp runs sequences 0-3 one token each, then sequence 4 alone three tokens at a
+    time, where this plug-in fails. The case once held all five sequences one token at a time, calls the kernel
+    never received, and its replay passed."""
+    case = export_case(random_model(), PROMPT, RunSettings(device="cpu", ubatch=3, n_seqs=5, n_gen=1,
+                                                           kernels=_write(tmp_path, "p.py", MULTI_TOKEN_SILU)),
+                       tmp_path / "case")
+    assert case["first_divergence"]["seq"] == 4 and case["seqs"] == [4, 5]
+    assert [c["args"][0]["size"][:2] for c in case["calls"]] == [[1, 3], [1, 3]]
+    r = replay_case(tmp_path / "case")
+    assert r.returncode == 1 and "2 failed" in r.stdout, r.stdout[-2000:]
+
+
+HEAD_LINEAR = '''
+from mamba_debug.ops import linear as ref
+def linear(x, w, b=None):
+    y = ref(x, w, b)
+    return y + 1.0 if w.shape[0] == 61 else y      # the vocab projection only
+OPS = {"linear": linear}
+'''
+
+
+def test_a_divergence_in_the_output_head_exports_the_heads_calls(tmp_path):
+    """It once exported the first device layer's calls instead, which replayed clean."""
+    path = _write(tmp_path, "p.py", HEAD_LINEAR)
+    case = export_case(random_model(), PROMPT, RunSettings(device="cpu", ubatch=4, n_gen=1, kernels=path),
+                       tmp_path / "case")
+    assert case["layer"] is None and case["first_divergence"]["site"] == "logits"
+    assert [(c["op"], c["args"][1]["size"][0]) for c in case["calls"]] == [("linear", 61)]
+    r = replay_case(tmp_path / "case")
+    assert r.returncode == 1 and "the output head" in r.stdout, r.stdout[-2000:]
+
+
+def test_a_head_on_the_host_has_no_device_op_to_export(tmp_path):
+    """Device blocks whose small errors add up past the logits' threshold in a head that ran on the host."""
+    res = _Diverged(site="logits")
+    with pytest.raises(MambaDebugError, match="ran on the host"):
+        export_case(None, None, None, tmp_path / "case", result=res)
+    assert not (tmp_path / "case").exists()
+
+
+class _Diverged:
+    """Just what export_case reads of a result before it refuses."""
+
+    def __init__(self, site):
+        from mamba_debug.placement import Placement
+        self.first_divergence = {"layer": None, "site": site, "seq": 0, "ubatch": 0}
+        self.placement = Placement(4, 2)
