@@ -302,10 +302,10 @@ def _from_file(meta, tensors: dict, path) -> CompareResult:
     res.trace_tokens = {_unkey(k): v for k, v in meta["trace_tokens"].items()}
     res.nondeterminism, res.generations = meta["nondeterminism"], meta["generations"]
     res.perplexity, res.timings = meta["perplexity"], meta["timings"]
+    if "seq_token_info" in meta:        # before the first divergence, which reads its sequence's schedule
+        res.seq_token_info = [[TokenInfo(**t) for t in row] for row in meta["seq_token_info"]]
     check_result(res, path)
     res.first_divergence = find_first_divergence(res)
-    if "seq_token_info" in meta:
-        res.seq_token_info = [[TokenInfo(**t) for t in row] for row in meta["seq_token_info"]]
     if "judged" in meta:                # a side's own verdict (llama.cpp's precision-aware one) is kept as given
         check_judged(meta["judged"], path)
         res.first_divergence, res.precision = meta["judged"]["first_divergence"], meta["judged"]["precision"]

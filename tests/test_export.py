@@ -1,5 +1,6 @@
 """export-case: the calls it records are the ones the failing run made (a group of sequences' own ubatches, the output
-head's ops), and its replay has a float64 reference for every op a plug-in may override (Mamba-2 and hybrids too)."""
+head's ops), and its replay has a float64 reference for every op a plug-in may override (Mamba-2 and hybrids too).
+A group's own ubatches also survive a saved trace and reach the views."""
 from __future__ import annotations
 
 import pytest
@@ -105,3 +106,34 @@ class _Diverged:
         from mamba_debug.placement import Placement
         self.first_divergence = {"layer": None, "site": site, "seq": 0, "ubatch": 0}
         self.placement = Placement(4, 2)
+
+
+def test_a_saved_run_of_groups_with_their_own_ubatches_reopens_with_the_same_first_divergence(tmp_path):
+    """The smaller last group's schedule was restored after the first divergence was found again, which then read
+    group 0's schedule: another ubatch and position than the run's."""
+    from mamba_debug.compare import run_compare
+    from mamba_debug.trace import load_trace, save_trace
+    from mamba_debug.views import summary
+    res = run_compare(random_model(), PROMPT, RunSettings(device="cpu", ubatch=3, n_seqs=5, n_gen=1,
+                                                          kernels=_write(tmp_path, "p.py", MULTI_TOKEN_SILU)))
+    fd = res.first_divergence
+    assert (fd["seq"], fd["token"], fd["ubatch"], fd["index_in_ubatch"]) == (4, 1, 0, 1) and res.seq_token_info
+    back = load_trace(save_trace(res, tmp_path / "run.safetensors"))
+    assert back.first_divergence == fd and summary(back) == summary(res)
+
+
+def test_the_views_mark_each_sequences_own_ubatch_boundaries(tmp_path):
+    """Sequences 0-3 ran one token a ubatch, sequence 4 three: its heatmap's boundary lines are its own."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mamba_debug.compare import run_compare
+    from mamba_debug.views.base import mark_ubatches
+    res = run_compare(random_model(), PROMPT, RunSettings(device="cpu", ubatch=3, n_seqs=5, n_gen=1))
+    lines = {}
+    for seq in (0, 4):
+        fig, ax = plt.subplots()
+        mark_ubatches(ax, res, seq)
+        lines[seq] = sorted(float(ln.get_xdata()[0]) for ln in ax.lines)
+        plt.close(fig)
+    assert lines[4] == [2.5, 5.5, 8.5, 11.5] and lines[0] == [t - 0.5 for t in range(1, 13)]

@@ -363,14 +363,11 @@ def special_overlay(ax, err: np.ndarray, seen_rows: np.ndarray):
     return used
 
 
-def mark_ubatches(ax, res: CompareResult, ymin=0.0, ymax=1.0, colour="0.35"):
-    """Thin vertical lines at the ubatch boundaries of a token axis, the prompt | generated line thicker."""
-    for t in res.token_info:
+def mark_ubatches(ax, res: CompareResult, seq: int = 0, ymin=0.0, ymax=1.0, colour="0.35"):
+    """Thin vertical lines at sequence `seq`'s ubatch boundaries on a token axis, the prompt | generated line
+    thicker (a smaller last group of sequences runs longer ubatches)."""
+    for t in res.token_infos(seq):
         if t.index_in_ubatch == 0 and 0 < t.token < res.n_prompt:
             ax.axvline(t.token - 0.5, ymin=ymin, ymax=ymax, color=colour, lw=0.8, ls=":", zorder=4)
     ax.axvline(res.n_prompt - 0.5, ymin=ymin, ymax=ymax, color="tab:blue", lw=1.4, zorder=4)
 
-
-def ubatch_ticks(res: CompareResult) -> list:
-    """Token positions where a ubatch starts (inside the prompt)."""
-    return [t.token for t in res.token_info if t.index_in_ubatch == 0 and t.token < res.n_prompt]

@@ -72,7 +72,7 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
         y = err[0]
         thr = None if thr_all is None else np.full(len(x), thr_all[0])
         handles = _plot_series(ax, x, y, thr, f"{site} (model-level: one value per token)")
-        mark_ubatches(ax, res)
+        mark_ubatches(ax, res, seq)
         if token is not None:
             ax.axvline(token, color="0.5", lw=1.0, zorder=1)
         if fd and fd["layer"] is None and fd["site"] == site and fd["seq"] == seq:
@@ -142,7 +142,7 @@ class CurveView(View):
                          y=TITLE_Y)
             with np.errstate(all="ignore"):
                 return np.array([np.nanmax(r) if (~np.isnan(r)).any() else np.nan for r in err])
-        info = res.token_info[token]
+        info = res.token_infos(v.seq)[token]
         ax.set_title(f"'{v.site}' {v.metric} per layer at token {token} ({info.phase}, ubatch {info.ubatch}), "
                      f"seq {v.seq}", fontsize=10, y=TITLE_Y)
         return err[:, token]

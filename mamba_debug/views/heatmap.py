@@ -45,7 +45,7 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
                        interpolation="nearest")
     seen = observed_rows(res, site)
     special_overlay(ax, err, seen)
-    mark_ubatches(ax, res)
+    mark_ubatches(ax, res, seq)
     n_tok = img.shape[1]
     L0 = res.placement.first_device_layer
     if not model_level and 0 < L0 < res.n_layer:

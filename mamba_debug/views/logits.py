@@ -34,7 +34,7 @@ def logits_curve(res: CompareResult, ax, seq=0):
         ax.plot(x[bad], np.full(bad.sum(), top), "v", color=NAN_INF, ms=8, clip_on=False)
         handles.append(Line2D([], [], marker="v", ls="", color=NAN_INF, label="NaN / Inf"))
     ax.set_ylim(floor, top)
-    mark_ubatches(ax, res)
+    mark_ubatches(ax, res, seq)
     fd = res.first_divergence
     if fd and fd["seq"] == seq:
         ax.axvline(fd["token"], color=FIRST_DIV, lw=1.5, ls="-.")
