@@ -171,6 +171,15 @@ def defer(snapshot, message) -> bool:
     return True
 
 
+def defer_flag(flag: torch.Tensor, message: str) -> bool:
+    """Queue a 0-d bool tensor that is true for an error (inside `deferred()`, a GPU tensor): True if queued."""
+    pending = getattr(_LOCAL, "pending", None)
+    if pending is None or not (flag.is_cuda or DEFER_ON_CPU):
+        return False
+    pending.append(Queued(lambda _names: message, ["flag"], None, [(0, flag)], []))
+    return True
+
+
 @contextlib.contextmanager
 def deferred():
     """Checks queued by `defer` inside this block (in this thread) are settled at its end with one wait; nested

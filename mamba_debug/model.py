@@ -320,8 +320,9 @@ class Runner:
 
         resume=(layer, h): skip the blocks below `layer` and start from their known output h (a side that shares its
         host blocks with another side's run starts at its boundary instead of computing them twice).
-        A plug-in op's inputs on a GPU are checked for writes once, at the end (isolation.deferred)."""
-        with deferred():
+        A plug-in op's inputs on a GPU are checked for writes once, at the end (isolation.deferred). No autograd: a
+        plug-in's output that requires grad would stop the reference ops that write into `out=` buffers."""
+        with deferred(), torch.no_grad():
             return self._forward(tokens, resume)
 
     def _forward(self, tokens: torch.Tensor, resume: Optional[tuple]) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from .errors import PluginError
 from .ops import OP_NAMES, output_contract
-from .isolation import changed_inputs, defer, snapshot_inputs
+from .isolation import changed_inputs, defer, defer_flag, snapshot_inputs
 from .shipped import shipped_dir
 from .triton_env import exec_file, set_mode
 
@@ -134,7 +134,8 @@ def _exec_plugin(path: Path, device: str) -> Plugin:
     name = getattr(module, "NAME", path.stem)
     return Plugin(
         name=name, path=path, description=getattr(module, "DESCRIPTION", ""),
-        ops={k: checked_op(name, k, fn) for k, fn in ops.items()},
+        ops={k: checked_op(name, k, fn, check_states_out=not path.resolve().is_relative_to(KERNELS_DIR.resolve()))
+             for k, fn in ops.items()},
         supports_states_out=bool(getattr(module, "SUPPORTS_STATES_OUT", True)),
         bug=getattr(module, "BUG", None), module=module)
 
@@ -153,12 +154,14 @@ def _shape(t) -> str:
     return "x".join(map(str, t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
-    """Wrap an op so a crash or a wrong output shape/dtype/device names the plug-in, the op and the shapes."""
+def checked_op(plugin: str, op: str, fn: Callable, check_states_out: bool = True) -> Callable:
+    """Wrap an op so a crash, a wrong output shape/dtype/device or (check_states_out: a plug-in of the user's; the
+    shipped kernels' tests hold theirs) an unwritten `states_out` names the plug-in, the op and the shapes."""
     def wrapper(*args, **kwargs):
         # shapes: only formatted for a message (this wrapper runs on every op call of the device side)
         shapes = _Shapes(args)
         before = snapshot_inputs(args, kwargs)
+        mark = _mark_states_out(kwargs) if check_states_out else None
         try:
             result = fn(*args, **kwargs)
         except PluginError:
@@ -173,6 +176,9 @@ def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
                 raise PluginError(wrote(changed))
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
         expected = output_contract(op, args)
+        if len(expected) == 1 and isinstance(result, (tuple, list)):
+            raise PluginError(f"plug-in {plugin}: op {op}({shapes}) returned a {type(result).__name__}; an op with one "
+                              f"output returns the tensor itself")
         if len(outs) != len(expected):
             raise PluginError(f"plug-in {plugin}: op {op}({shapes}) returned {len(outs)} value(s), "
                               f"expected {len(expected)}")
@@ -183,7 +189,31 @@ def checked_op(plugin: str, op: str, fn: Callable) -> Callable:
                 raise PluginError(
                     f"plug-in {plugin}: op {op}({shapes}) output {i} is {_shape(out)} {out.dtype} on {out.device}, "
                     f"expected {'x'.join(map(str, shape))} {dtype} on {device}")
+        if mark is not None:
+            _check_states_out(mark, outs[1], f"plug-in {plugin}: op {op}({shapes}) left `states_out` unwritten (its "
+                              f"last token still holds the NaN put there before the call); write every token's state "
+                              f"into it, or set SUPPORTS_STATES_OUT = False in the plug-in file")
         return result
     wrapper.__name__ = f"{plugin}.{op}"
     wrapper.__wrapped__ = fn
     return wrapper
+
+
+def _mark_states_out(kwargs: dict):
+    """The last token of a scan's `states_out`, filled with NaN before the call (None: no floating states_out):
+    a plug-in that ignores the buffer leaves it so, where `torch.empty`'s leftovers read as a NaN or a wrong
+    state born in the kernel."""
+    so = kwargs.get("states_out")
+    if not isinstance(so, torch.Tensor) or not so.is_floating_point() or so.dim() < 2 or not so.numel():
+        return None
+    last = so[:, -1]
+    last.fill_(float("nan"))
+    return last
+
+
+def _check_states_out(last: torch.Tensor, state: torch.Tensor, message: str):
+    """Unwritten: the marked slice is all NaN while the state the op returned (the same token's) is finite. On a GPU
+    inside a forward pass the flag is read with the pass's other checks (isolation.deferred), not here."""
+    flag = torch.isnan(last).all() & torch.isfinite(state).all()
+    if not defer_flag(flag, message) and bool(flag):
+        raise PluginError(message)

@@ -76,3 +76,43 @@ def test_wrong_dtype_and_crash(tmp_path):
 def test_list_kernels_names_the_shipped_plugins():
     kernels = md.list_kernels()
     assert "triton" in kernels and kernels["triton"]
+
+
+NO_STATES = '''
+import mamba_debug as md
+{flag}
+def {op}(s, x, dt, A, B, C, *, states_out=None):
+    return md.ops.{op}(s, x, dt, A, B, C)
+OPS = {{"{op}": {op}}}
+'''
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("op", ["ssm_scan", "ssd_scan"])
+def test_a_scan_that_leaves_states_out_unwritten_is_named_with_the_fix(tmp_path, monkeypatch, op, deferred):
+    """A correct scan that ignores `states_out` read as a NaN (or a wrong state) born in the kernel: the buffer was
+    `torch.empty`'s leftovers. deferred: the check read with the forward pass's others, as on a GPU."""
+    from mamba_debug import isolation
+    from test_mamba2 import mamba2_model
+    monkeypatch.setattr(isolation, "DEFER_ON_CPU", deferred)
+    model = random_model() if op == "ssm_scan" else mamba2_model()
+    settings = md.RunSettings(device="cpu", n_gen=1, kernels=_write(tmp_path, NO_STATES.format(op=op, flag="")))
+    with pytest.raises(PluginError, match=rf"op {op}\(.*left `states_out` unwritten.*SUPPORTS_STATES_OUT = False"):
+        md.run_compare(model, [1, 2, 3, 4, 5], settings)
+    declared = _write(tmp_path, NO_STATES.format(op=op, flag="SUPPORTS_STATES_OUT = False"), "declared.py")
+    assert md.run_compare(model, [1, 2, 3, 4, 5], settings.replace(kernels=declared)).first_divergence is None
+
+
+def test_a_one_output_op_returning_a_list_is_named(tmp_path):
+    """It passed the output check and failed later, inside the model: 'list' object has no attribute ..."""
+    path = _write(tmp_path, 'OPS = {"silu": lambda x: [x * torch.sigmoid(x)]}\n')
+    with pytest.raises(PluginError, match=r"op silu\(1x3x64\) returned a list; an op with one output returns the "
+                                          r"tensor itself"):
+        _run(random_model(), path)
+
+
+def test_an_output_that_requires_grad_runs_like_any_other(tmp_path):
+    """Autograd once stopped the reference scan's writes into `out=` buffers (RuntimeError from torch)."""
+    path = _write(tmp_path, 'OPS = {"silu": lambda x: (x * torch.sigmoid(x)).requires_grad_()}\n')
+    res = md.run_compare(random_model(), [1, 2, 3, 4, 5], md.RunSettings(device="cpu", n_gen=1, kernels=path))
+    assert res.first_divergence is None
