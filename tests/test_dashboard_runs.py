@@ -85,12 +85,17 @@ def test_dashboard_arguments_are_refused_naming_them_not_clamped_by_a_slider():
                      (dict(n_seqs=0), "n_seqs must be an integer >= 1, got 0"),
                      (dict(dpi="x"), "dpi must be an integer >= 1"),
                      (dict(prompt=[]), "prompt is empty"),
-                     (dict(prompt=[1.5]), "prompt_ids must be integer token ids")):
+                     (dict(prompt=[1.5]), "prompt_ids must be integer token ids"),
+                     (dict(engine="bogus"), r"engine='bogus': choose one of \['torch', 'llama.cpp'\]")):
         kw.setdefault("prompt", [1, 2, 3])
         with pytest.raises(MambaDebugError, match=said):
             Dashboard(model, kw.pop("prompt"), kernels="torch", autorun=False, **kw)
     d = Dashboard(model, [1, 2, 3, 4], kernels="torch", offload=np.int64(1), ubatch=np.int64(2), n_gen=1)
     assert d.result.settings.offload == 1 and d.result.settings.ubatch == 2
+    other = random_model(n_layer=3)             # the same vocabulary and prompt: only the model tells them apart
+    with pytest.raises(MambaDebugError, match="result= was computed with another model \\(n_layer 2 against this "
+                                              "dashboard's 3\\)"):
+        Dashboard(other, [1, 2, 3, 4], kernels="torch", result=d.result, autorun=False)
 
 
 def test_dashboard_set_refuses_a_value_its_control_would_clamp_naming_the_control():

@@ -75,7 +75,7 @@ class Dashboard(SweepPanel):
                  result: Union[CompareResult, Sequence[CompareResult], None] = None, sweep: Optional[dict] = None,
                  autorun: bool = True, max_cached_runs: int = 32, dpi: int = DPI, engine: str = "torch",
                  llama_lib: Optional[str] = None, llama_device: str = "cpu"):
-        check_args(offload, ubatch, n_seqs, dpi, max_cached_runs)
+        check_args(offload, ubatch, n_seqs, dpi, max_cached_runs, engine)
         self.model = model
         self.n_layer = model.config.n_layer
         self.prompts, self.prompt_ids = encode_prompts(model, prompt)
@@ -143,6 +143,12 @@ class Dashboard(SweepPanel):
                        if res.tokens[0, :res.n_prompt].tolist() == ids), None)
         if prompt is None:
             raise MambaDebugError("result= was computed for another prompt than this dashboard's")
+        mine = self.model.config.to_dict()          # the shipped models share a tokenizer: the prompt can match
+        other = sorted(k for k in mine if k in res.model_info and res.model_info[k] != mine[k])
+        if other:
+            k = other[0]
+            raise MambaDebugError(f"result= was computed with another model ({k} {res.model_info[k]!r} against this "
+                                  f"dashboard's {mine[k]!r}); give a result of the dashboard's model")
         key = dashboard_settings(res.settings, res.n_prompt)
         self.cache.put(self.prompt_ids[prompt], key, res)
         llama = key.engine == "llama.cpp"

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 from ..compare import run_compare
 from ..errors import MambaDebugError
 from ..model import prompt_list
-from ..settings import RunSettings, whole_ubatch
+from ..settings import ENGINES, RunSettings, whole_ubatch
 from ..settings_checks import check_count
 from ..sweep import same_run_offloads
 from ..trace import find_first_divergence
@@ -44,9 +44,11 @@ def encode_prompts(model, prompt: Prompt) -> tuple:
     return texts, ids
 
 
-def check_args(offload, ubatch, n_seqs, dpi, max_cached_runs) -> None:
-    """The dashboard's numbers, refused naming the argument: its sliders would clamp them instead (offload=-1 showed
-    offload 0, ubatch=0 the whole prompt; n_seqs=0 was an ipywidgets TraitError)."""
+def check_args(offload, ubatch, n_seqs, dpi, max_cached_runs, engine="torch") -> None:
+    """The dashboard's arguments, refused naming the argument: its sliders would clamp them instead (offload=-1
+    showed offload 0, ubatch=0 the whole prompt; n_seqs=0 and engine="x" were ipywidgets TraitErrors)."""
+    if engine not in ENGINES:
+        raise MambaDebugError(f"engine={engine!r}: choose one of {list(ENGINES)}")
     for name, v, low in (("offload", offload, 0), ("ubatch", ubatch, 1)):
         if v is not None:
             check_count(name, v, low)
