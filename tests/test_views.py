@@ -159,6 +159,23 @@ def test_state_inspector_shows_reference_device_and_difference(runs):
     assert any("from the captured x inputs" in a.get_ylabel() for a in fig.axes)
 
 
+def test_state_inspector_on_a_hybrid_shows_mamba2_channels_and_says_attention_has_no_state():
+    """An attention layer drew four "not captured" rows (ssm_state, conv_state, k_cache, v_cache) and blamed the
+    capture policy; Mamba-2's [H, P, N] state was drawn as [H, P * N] under "channel d" and "state n"."""
+    from test_mamba2 import hybrid_model
+    model = hybrid_model()
+    res = md.run_compare(model, [3, 1, 4, 1, 5, 9], md.RunSettings(device="cpu", kernels="torch", n_gen=1,
+                                                                   capture="all"))
+    view, cfg = registry.BY_NAME["states"], model.config
+    fig = new_figure(view.figsize)
+    view.draw(fig, res, ViewState(token=2, layer=1))                          # attention
+    texts = [t.get_text() for a in fig.axes for t in a.texts]
+    assert len(fig.axes) == 1 and "keeps no SSM or conv state" in texts[0] and "not captured" not in texts[0]
+    fig = new_figure(view.figsize)
+    view.draw(fig, res, ViewState(token=2, layer=0))                          # Mamba-2
+    assert fig.axes[0].images[0].get_array().shape[:2] == (cfg.d_inner, cfg.d_state)
+
+
 def test_sweep_matrix_tells_clean_diverged_and_not_run_apart(runs):
     model, full, _ = runs
     sweep = md.run_sweep(model, PROMPT, full.settings.replace(capture="metrics"), offloads=[0, 2],

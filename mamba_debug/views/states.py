@@ -1,7 +1,9 @@
 """The state inspector: at one (layer, token), each recurrent state of the reference, of the device, and their
 difference (device - reference).
 
-Rows: the SSM state h [channel d x state n] and the conv state [channel d x window row]. Columns: reference, device
+Rows: the SSM state h [channel d x state n] (Mamba-2's [head, row, n] as channel d = head * head_dim + row, the
+channel of x it reads) and the conv state [channel d x window row]. A layer with no such state (attention: its KV
+cache's new rows are its `k` and `v` sites) says so. Columns: reference, device
 (one colour scale for both) and the difference (its own scale, centred on 0). A difference that is exactly zero is
 painted in the "exact zero" look and said in words: the states agree, so whatever diverged at this layer came after
 the scan (the gate, say) and reaches the states of the next layer through its input.
@@ -76,7 +78,7 @@ def state_arrays(res: CompareResult, layer: int, token: int, which="ssm_state", 
     a, b = ref[0], dev[0]
     if which == "conv_state":               # stored [window, channel]: show channel down, window across
         a, b = a.T, b.T
-    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])     # Mamba-2: [H, P, N] -> [H * P, N]
     return a, b, ref[1], ref[2]
 
 
@@ -202,9 +204,10 @@ def state_diff(res: CompareResult, ax, layer: int, token: int, which="ssm_state"
 
 
 def layer_states(res: CompareResult, layer: int) -> tuple:
-    """The state sites of one layer, in the inspector's order (both Mamba-1 states when the layer is unknown)."""
+    """The state sites of one layer, in the inspector's order: none for a layer without them (attention), every
+    state when the layer is unknown."""
     sites = res.layer_sites[layer] if 0 <= layer < len(res.layer_sites) else STATE_NAMES
-    return tuple(n for n in STATE_NAMES if n in sites) or STATE_NAMES
+    return tuple(n for n in STATE_NAMES if n in sites)
 
 
 class StatesView(View):
@@ -218,6 +221,15 @@ class StatesView(View):
         """Each state (a row) of reference, device and difference at the chosen layer and token; returns the first
         state's difference (empty when not captured)."""
         names = layer_states(res, v.layer)
+        if not names:
+            fig._mamba_debug_states = None
+            ax = fresh_axes(fig, 1, 1)
+            message(ax, f"layer {v.layer} keeps no SSM or conv state\nan attention layer's KV cache grows by its "
+                        f"'k' and 'v' sites:\nthe heatmap and the curves show them")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            fig.suptitle(f"layer {v.layer}", fontsize=10)
+            return np.array([])
         token = v.token if v.token is not None else res.tokens.shape[1] - 1
         token = min(token, res.tokens.shape[1] - 1)
         got = [state_arrays(res, v.layer, token, which, v.seq) for which in names]
