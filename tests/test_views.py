@@ -176,6 +176,26 @@ def test_state_inspector_on_a_hybrid_shows_mamba2_channels_and_says_attention_ha
     assert fig.axes[0].images[0].get_array().shape[:2] == (cfg.d_inner, cfg.d_state)
 
 
+
+def test_a_hybrids_site_that_a_layer_type_lacks_is_not_called_unobserved():
+    """'q' in a hybrid's Mamba-2 layers was hatched "not observed by the device side"; it is no site of theirs."""
+    from mamba_debug.views.base import NO_SITE_LABEL, NOT_OBSERVED_LABEL
+    from mamba_debug.views.curve import layer_curve
+    from mamba_debug.views.heatmap import heatmap
+    from test_mamba2 import hybrid_model
+    res = md.run_compare(hybrid_model(), [3, 1, 4, 1, 5, 9], md.RunSettings(device="cpu", kernels="torch", n_gen=1))
+    fig = new_figure((6.4, 4.2))
+    ax = fig.add_subplot()
+    heatmap(res, ax, site="q")
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert NO_SITE_LABEL in labels and not ax.patches, "no row hatched as not observed"
+    fig = new_figure((6.4, 4.2))
+    ax = fig.add_subplot()
+    layer_curve(res, ax, token=2, site="q")
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert NOT_OBSERVED_LABEL not in labels
+
+
 def test_sweep_matrix_tells_clean_diverged_and_not_run_apart(runs):
     model, full, _ = runs
     sweep = md.run_sweep(model, PROMPT, full.settings.replace(capture="metrics"), offloads=[0, 2],

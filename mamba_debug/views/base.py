@@ -29,6 +29,8 @@ from ..trace import CompareResult
 DEVICE_SHADE = dict(color="tab:orange", alpha=0.12)
 NOT_OBSERVED = dict(facecolor="0.85", edgecolor="0.45", hatch="///", lw=0.0)   # the "not observed" look
 NOT_OBSERVED_LABEL = "not observed by the device side"
+NO_SITE = dict(facecolor="white", edgecolor="0.6", lw=0.8)      # a layer whose type has no such site (a hybrid)
+NO_SITE_LABEL = "no such site in this layer's type"
 MARGINS = dict(left=0.12, right=0.97, bottom=0.15, top=0.88, wspace=0.35)   # fixed: tight_layout costs ~0.2 s
 SCREEN_DPI = 80            # CSS px per figure inch on screen (the <img> width), whatever the PNG's pixel density
 DPI = 2 * SCREEN_DPI       # the dashboard's PNGs: 2 px per CSS px, crisp on any modern display
@@ -290,6 +292,13 @@ def observed_rows(res: CompareResult, site: str) -> np.ndarray:
     return np.array([k in res.errors and res.is_observed(k) for k in site_keys(res, site)])
 
 
+def present_rows(res: CompareResult, site: str) -> np.ndarray:
+    """bool per plotted row: the layer's type has this site (a hybrid's attention layers have no 'conv', its Mamba
+    layers no 'q')."""
+    return np.array([k[0] is None or k[0] >= len(res.layer_sites) or k[1] in res.layer_sites[k[0]]
+                     for k in site_keys(res, site)])
+
+
 def thresholds(res: CompareResult, site: str) -> np.ndarray:
     return np.array([res.thresholds.get(k, np.nan) for k in site_keys(res, site)])
 
@@ -325,9 +334,10 @@ def ratio_norm():
 
 
 def special_handles(which=None) -> list:
-    """Legend handles for the special looks (all, or the names in `which`)."""
+    """Legend handles for the special looks (all, or the names in `which`); a hybrid's absent site only in `which`."""
     from matplotlib.patches import Patch  # noqa: PLC0415
-    return [Patch(**look, label=name) for name, look in SPECIAL_LOOKS.items() if which is None or name in which]
+    looks = {**SPECIAL_LOOKS, **({NO_SITE_LABEL: NO_SITE} if which is not None else {})}
+    return [Patch(**look, label=name) for name, look in looks.items() if which is None or name in which]
 
 
 def ratio_colorbar(ax, im):
@@ -342,14 +352,19 @@ def ratio_colorbar(ax, im):
     return cb
 
 
-def special_overlay(ax, err: np.ndarray, seen_rows: np.ndarray):
+def special_overlay(ax, err: np.ndarray, seen_rows: np.ndarray, present: Optional[np.ndarray] = None):
     """Paint the special values of an error image (rows x tokens) on top of its colour image: exact zero green,
-    NaN/Inf black, rows not observed hatched, NaN in an observed row (not run) light grey dotted. Returns the names
-    of the looks it used."""
+    NaN/Inf black, rows not observed hatched, NaN in an observed row (not run) light grey dotted, rows whose layer
+    has no such site (`present` false) white. Returns the names of the looks it used."""
     from matplotlib.colors import to_rgba  # noqa: PLC0415
     rgba = np.zeros(err.shape + (4,))
     used = set()
-    seen = np.broadcast_to(np.asarray(seen_rows, bool)[:, None], err.shape)
+    present = np.ones(len(seen_rows), bool) if present is None else np.asarray(present, bool)
+    if not present.all():
+        rgba[~present] = to_rgba(NO_SITE["facecolor"])
+        used.add(NO_SITE_LABEL)
+    seen_rows = np.asarray(seen_rows, bool) | ~present      # an absent site is not "not observed"
+    seen = np.broadcast_to((seen_rows & present)[:, None], err.shape)
     for name, mask, colour in [("exact zero (identical)", seen & (err == 0), EXACT_ZERO),
                                ("NaN / Inf on the device", seen & np.isinf(err), NAN_INF),
                                ("not run", seen & np.isnan(err), NOT_RUN)]:
@@ -358,7 +373,7 @@ def special_overlay(ax, err: np.ndarray, seen_rows: np.ndarray):
             used.add(name)
     ax.imshow(rgba, aspect="auto", origin="lower", interpolation="nearest", zorder=2)
     if not np.all(seen_rows):
-        hatch_rows(ax, np.nonzero(~np.asarray(seen_rows, bool))[0], err.shape[1])
+        hatch_rows(ax, np.nonzero(~seen_rows)[0], err.shape[1])
         used.add(NOT_OBSERVED_LABEL)
     return used
 

@@ -12,7 +12,7 @@ from ..trace import CompareResult
 from .blit import mark_dynamic
 from .base import (check_args, BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState,
                    clear_axes, fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message,
-                   not_observed_patch, observed_rows, site_errors, thresholds)
+                   not_observed_patch, observed_rows, present_rows, site_errors, thresholds)
 
 METRIC_LABELS = {"rel_l2": "relative L2 error  ||dev - ref|| / ||ref||", "max_abs": "max |dev - ref|",
                  "nmse": "NMSE  mse(dev, ref) / mse(ref, 0)", "cosine": "1 - cosine(dev, ref)  (0 = same direction)"}
@@ -65,7 +65,7 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
     clear_axes(ax)
     err = _values(site_errors(res, site, metric, seq), metric)
     thr_all = thresholds(res, site) if metric == "rel_l2" else None
-    seen = observed_rows(res, site)
+    seen = observed_rows(res, site) | ~present_rows(res, site)     # a layer without the site is not "not observed"
     fd = res.first_divergence
     if site in MODEL_SITES:                      # one value per token: a curve over the tokens
         x = np.arange(err.shape[1])

@@ -8,9 +8,9 @@ import numpy as np
 from ..arch import MODEL_SITES
 from ..trace import CompareResult
 from .blit import mark_dynamic
-from .base import (check_args, BOUNDARY, FIRST_DIV, SPECIAL_LOOKS, TITLE_Y, View, ViewState, add_colorbar, clear_axes,
-                   fresh_axes, mark_device_boundaries, mark_ubatches, observed_rows, ratio_colorbar, ratio_norm,
-                   site_errors, special_handles, special_overlay, thresholds)
+from .base import (check_args, BOUNDARY, FIRST_DIV, NO_SITE_LABEL, SPECIAL_LOOKS, TITLE_Y, View, ViewState,
+                   add_colorbar, clear_axes, fresh_axes, mark_device_boundaries, mark_ubatches, observed_rows,
+                   present_rows, ratio_colorbar, ratio_norm, site_errors, special_handles, special_overlay, thresholds)
 
 
 def error_image(res: CompareResult, site: str, metric: str, seq: int):
@@ -43,8 +43,7 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (-9.0, 0.0)
         im = ax.imshow(img, aspect="auto", origin="lower", cmap="viridis", vmin=lo, vmax=max(hi, lo + 1),
                        interpolation="nearest")
-    seen = observed_rows(res, site)
-    special_overlay(ax, err, seen)
+    used = special_overlay(ax, err, observed_rows(res, site), present_rows(res, site))
     mark_ubatches(ax, res, seq)
     n_tok = img.shape[1]
     L0 = res.placement.first_device_layer
@@ -78,7 +77,8 @@ def heatmap(res: CompareResult, ax, site="resid", metric="rel_l2", seq=0, colorb
         from matplotlib.lines import Line2D  # noqa: PLC0415
         marks = [Line2D([], [], marker="o", ls="", mfc="none", mec=FIRST_DIV, mew=2, ms=8, label="first divergence"),
                  Line2D([], [], color=BOUNDARY, ls="--", lw=2, label="offload boundary")] + ([split] if split else [])
-        ax.legend(handles=special_handles() + marks, loc="upper center", ncol=3, fontsize=7, frameon=False,
+        absent = special_handles({NO_SITE_LABEL} & used)
+        ax.legend(handles=special_handles() + absent + marks, loc="upper center", ncol=3, fontsize=7, frameon=False,
                   bbox_to_anchor=(0.5, -0.17))
     return ax
 
