@@ -108,7 +108,7 @@ def export_case(model: Model, prompt_ids, settings: RunSettings, out_dir, result
 def replay_case(case_dir, kernels=None):
     """Run an exported case's pytest in a fresh process (optionally against another plug-in file, e.g. your fix):
     the subprocess.CompletedProcess, returncode 0 when every recorded call matches the float64 reference."""
-    case_dir = Path(case_dir)
+    case_dir = Path(case_dir).resolve()           # the run's cwd is the folder: a relative path would apply twice
     missing = [f for f in ("case.json", "test_case.py") if not (case_dir / f).is_file()]
     if missing:
         raise MambaDebugError(f"{case_dir}: not an export-case folder (no {' or '.join(missing)}); give the folder "

@@ -51,11 +51,21 @@ def atomic_path(path):
                 shutil.copyfileobj(src, dst)
             os.unlink(tmp)
         else:
+            os.chmod(tmp, _mode_for(path))      # mkstemp's 0600 would stay: a report no one else could read
             os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _mode_for(path: Path) -> int:
+    """The permissions an output gets: the replaced file's, else what the umask gives a new file (as open() does)."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_bytes(path, data: bytes) -> Path:

@@ -47,6 +47,16 @@ def test_a_mamba2_or_hybrid_op_replays_against_its_float64_reference(tmp_path, o
     assert good.returncode == 0, good.stdout[-2000:]
 
 
+def test_a_case_folder_given_relative_to_the_working_directory_replays(tmp_path, monkeypatch):
+    """The replay runs in the case's folder, where a relative path was applied a second time: pytest found no file."""
+    export_case(random_model(), PROMPT, RunSettings(device="cpu", ubatch=4, n_gen=1,
+                                                    kernels=_write(tmp_path, "bad.py", WRONG.format(op="silu"))),
+                tmp_path / "case")
+    monkeypatch.chdir(tmp_path)
+    r = replay_case("case")
+    assert r.returncode == 1 and "NMSE" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
 MULTI_TOKEN_SILU = '''
 from mamba_debug.ops import silu as ref
 def silu(x):

@@ -98,6 +98,22 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
 
 
+def test_an_output_gets_the_umasks_mode_or_keeps_the_replaced_files(tmp_path):
+    """Every output was 0600 (mkstemp's), a replaced 0644 report too: no one else could read it."""
+    import stat
+    old = os.umask(0o022)
+    try:
+        write_text(tmp_path / "new.json", "x")
+        kept = tmp_path / "kept.json"
+        kept.write_text("old")
+        kept.chmod(0o640)
+        write_text(kept, "new")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o640 and kept.read_text() == "new"
+
+
 # -- 3. non-finite is never agreement ------------------------------------------------------------------
 def test_weight_that_overflows_float32_is_refused_naming_the_tensor(tmp_path):
     m = random_model(n_layer=2)
