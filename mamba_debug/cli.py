@@ -89,7 +89,8 @@ def add_model_flags(p: argparse.ArgumentParser, prompt: bool = True):
 
 def add_settings_flags(p: argparse.ArgumentParser, command: str):
     """One flag per RunSettings field that `command` takes (its metadata says which: run, point, compare)."""
-    takes = {"compare": {"run", "point", "compare"}, "export-case": {"run", "point"}}.get(command, {"run"})
+    takes = {"compare": {"run", "point", "schedule", "compare"}, "export-case": {"run", "point", "schedule"},
+             "sweep": {"run"}}.get(command, {"run", "schedule"})
     for f in dataclasses.fields(RunSettings):
         meta = f.metadata
         if not meta or meta["commands"] not in takes:
@@ -297,7 +298,7 @@ def cmd_bisect(args) -> int:
     print(out["message"])
     if args.json:
         _write_json(args.json, out)
-    return 1 if out["bad_layer"] is not None else 0
+    return 1 if out["bad_layer"] is not None or out["offload"] == 0 else 0
 
 
 def _ranges(xs: list) -> str:

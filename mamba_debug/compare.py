@@ -162,7 +162,7 @@ class _Loop:
     def run(self, tokens, res: CompareResult, progress):
         S, P = tokens.shape
         for side in self.sides.values():
-            side.reset(self.s, S, first_seq=self.first_seq)
+            side.reset(self.s, S, first_seq=self.first_seq, n_tokens=P + self.s.n_gen)
         B = self.s.ubatch_per_seq(S)          # -ub counts tokens across the sequences (llama.cpp's equal split)
         schedule = [tokens[:, i:i + B] for i in range(0, P, B)]
         self.sides["ref32"].keep_states_after_from = len(schedule) - 1     # where generated tokens are chosen

@@ -27,6 +27,7 @@ REF_DEVICES = ("cpu", "cuda")
 REFERENCES = ("float32", "float64")
 CAPTURE_POLICIES = ("all", "sites", "metrics")
 ENGINES = ("torch", "llama.cpp")
+LLAMA_MAX_SEQ = 256          # llama.cpp's most sequences in one context (src/llama-cparams.h)
 # A site diverges when rel_l2(dev, ref) > K_FLOOR * max(floor, MIN_FLOOR) (trace.py): two float32 implementations
 # that differ only in the order of operations sit near 1-2x the floor; real bugs 100x-1e8x.
 K_FLOOR = 10.0
@@ -34,8 +35,9 @@ K_FLOOR = 10.0
 
 def _flag(help: str, *, commands: str = "run", **kw) -> dict:
     """Field metadata for the command line: the flag's help, which commands take it ("run": compare, sweep, bisect,
-    export-case; "compare": compare only; "point": every run command but sweep/bisect, which choose it themselves),
-    and argparse extras (type parser name, choices, flag name)."""
+    export-case; "compare": compare only; "point": every run command but sweep/bisect, which choose it themselves;
+    "schedule": every run command but sweep, whose --ubatches / --n-seqs-list choose it), and argparse extras (type
+    parser name, choices, flag name)."""
     return {"help": help, "commands": commands, **kw}
 
 
@@ -50,8 +52,10 @@ class RunSettings:
     offload: Optional[int] = field(default=None, metadata=_flag(
         "like -ngl: the last N blocks run on the device (default: all, head included)", commands="point",
         parse="nonneg"))
-    ubatch: int = field(default=DEFAULT_UBATCH, metadata=_flag(f"like -ub (default {DEFAULT_UBATCH})", parse="positive"))
-    n_seqs: int = field(default=1, metadata=_flag("sequences processed together", parse="positive"))
+    ubatch: int = field(default=DEFAULT_UBATCH, metadata=_flag(f"like -ub (default {DEFAULT_UBATCH})", parse="positive",
+                                                               commands="schedule"))
+    n_seqs: int = field(default=1, metadata=_flag("sequences processed together", parse="positive",
+                                                  commands="schedule"))
     n_gen: int = field(default=16, metadata=_flag("tokens generated after the prompt", parse="n_gen"))
     kernels: str = field(default="triton", metadata=_flag(
         "plug-in name in kernels/ or a .py path (torch: plain ops)"))
@@ -125,6 +129,7 @@ class RunSettings:
         if self.engine == "llama.cpp" and self.repeat > 1:
             raise MambaDebugError("--repeat runs the torch device side again; with --engine llama.cpp it is not "
                                   "available yet (the side reports its observer effect instead)")
+        self._check_engine_flags()
         if self.repeat < 1:
             raise MambaDebugError(f"repeat must be >= 1, got {self.repeat}")
         if self.k_floor <= 1:
@@ -135,6 +140,21 @@ class RunSettings:
         out = dataclasses.replace(self, offload=offload, device=device, devices=devices)
         out.placement(cfg.n_layer)          # checks offload, rule and the split
         return out
+
+    def _check_engine_flags(self):
+        """Flags of the other engine, refused rather than ignored (a llama.cpp run's JSON once said kernels
+        'bug_a_negated', which never ran)."""
+        if self.engine == "llama.cpp":
+            if self.kernels != RunSettings.kernels:
+                raise MambaDebugError(f"--kernels {self.kernels}: picks the torch engine's device kernels; "
+                                      f"--engine llama.cpp runs llama.cpp's own: drop --kernels")
+            if self.n_seqs > LLAMA_MAX_SEQ:
+                raise MambaDebugError(f"--n-seqs {self.n_seqs}: llama.cpp holds at most {LLAMA_MAX_SEQ} sequences in "
+                                      f"a context (LLAMA_MAX_SEQ); use --n-seqs {LLAMA_MAX_SEQ} or fewer")
+            return
+        for flag, given in (("--no-op-offload", not self.op_offload), ("--fp32-everywhere", self.fp32_everywhere)):
+            if given:
+                raise MambaDebugError(f"{flag}: a switch of llama.cpp's; add --engine llama.cpp or drop it")
 
     def placement(self, n_layer: int) -> Placement:
         """The one place a Placement is made (offload None: every block and the head)."""

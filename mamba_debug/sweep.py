@@ -314,7 +314,16 @@ def bisect_layer(model: Model, prompt_ids, base: RunSettings) -> dict:
         return res.first_divergence is not None
 
     lo, hi = 0, L + 1             # offload 0 runs nothing on the device: clean by construction; L + 1 everything
+    llama = base.engine == "llama.cpp"
+    if llama and (base.device or "cpu") == "cpu":
+        raise MambaDebugError("bisect moves the offload boundary (-ngl), and --engine llama.cpp --device cpu runs "
+                              "every layer on the CPU whatever the offload: bisect a CUDA build (--device cuda), or "
+                              "run compare")
     try:
+        if llama and diverges(0):     # llama.cpp's own CPU backend runs offload 0, not the reference
+            return {"bad_layer": None, "offload": 0, "runs": runs,
+                    "message": "offload 0 already diverges (every layer on llama.cpp's CPU backend): the offload "
+                               "boundary separates no bad layer; `compare --offload 0` shows where it begins"}
         if not diverges(hi):
             return {"bad_layer": None, "offload": None, "runs": runs,
                     "message": f"no divergence even with everything offloaded (offload {hi})"}

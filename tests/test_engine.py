@@ -241,6 +241,22 @@ def test_sweep_matrix_and_bisect(model, plugin):
     assert out["bad_layer"] == 3 and len(out["runs"]) <= 4
 
 
+def test_bisect_of_llamacpp_checks_offload_0_and_refuses_a_cpu_build(model, monkeypatch):
+    """Offload 0 is the reference only for the torch engine; llama.cpp runs it on its own CPU backend, and a CPU
+    build runs every offload there. A bisection took offload 0 as clean and named layer 7 from runs that all
+    diverged at layer 0."""
+    import types
+    import mamba_debug.sweep as sweep
+    with pytest.raises(MambaDebugError, match="runs every layer on the CPU whatever the offload"):
+        bisect_layer(model, PROMPT, CompareSettings(engine="llama.cpp", device="cpu"))
+    seen = []
+    fd = {"token": 0, "layer": 0, "site": "RMS_NORM"}
+    monkeypatch.setattr(sweep, "run_compare", lambda m, p, s, **k: seen.append(s.offload) or
+                        types.SimpleNamespace(first_divergence=fd))
+    out = bisect_layer(model, PROMPT, CompareSettings(engine="llama.cpp", device="cuda"))
+    assert seen == [0] and out["bad_layer"] is None and out["offload"] == 0 and "offload 0 already" in out["message"]
+
+
 SLOW_LINEAR = '''
 import torch
 def linear(x, weight, bias=None):

@@ -51,6 +51,8 @@ def test_cli_flags_come_from_the_settings_fields():
             assert compare[f.name].help == f.metadata["help"]
     assert compare["ubatch"].default == DEFAULT_UBATCH
     assert "offload" not in _flags("sweep") and "offload" in _flags("export-case")
+    assert "ubatch" not in _flags("sweep") and "n_seqs" not in _flags("sweep"), "sweep takes --ubatches, --n-seqs-list"
+    assert "ubatch" in _flags("bisect") and "n_seqs" in _flags("export-case")
     assert "capture" not in _flags("bisect")
     args = build_parser().parse_args(["compare", "--offload", "3", "--layers", "1..2", "--sites", "gate,resid"])
     s = settings_from(args)
@@ -80,3 +82,16 @@ def test_build_model_from_config_and_params():
     bad = dict(ref.params, **{"layers.0.A": ref.params["layers.0.A"][:, :2]})
     with pytest.raises(md.CheckpointError, match="layers.0.A"):
         md.build_model(cfg, bad)
+
+
+@pytest.mark.parametrize("changes, said", [
+    (dict(engine="llama.cpp", kernels="bug_a_negated"), "--kernels bug_a_negated: picks the torch engine's"),
+    (dict(engine="llama.cpp", n_seqs=257), "llama.cpp holds at most 256 sequences"),
+    (dict(op_offload=False), "--no-op-offload: a switch of llama.cpp's"),
+    (dict(fp32_everywhere=True), "--fp32-everywhere: a switch of llama.cpp's")])
+def test_a_flag_of_the_other_engine_is_refused_not_ignored(changes, said):
+    """--kernels with llama.cpp ran llama.cpp and wrote the plug-in's name into the JSON; 257 sequences ended in an
+    AttributeError from inside the llama.cpp side."""
+    with pytest.raises(md.MambaDebugError, match=said):
+        RunSettings(**changes).validated(random_model().config)
+    assert RunSettings(engine="llama.cpp", n_seqs=256).validated(random_model().config).n_seqs == 256

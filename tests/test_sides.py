@@ -34,8 +34,8 @@ class SubsetSide:
     def __getattr__(self, name):                  # u, has_device, save_state, free_step, ...: the real side's
         return getattr(self.inner, name)
 
-    def reset(self, settings, n_seqs, first_seq=0):
-        self.inner.reset(settings, n_seqs)
+    def reset(self, settings, n_seqs, first_seq=0, n_tokens=0):
+        self.inner.reset(settings, n_seqs, first_seq, n_tokens)
 
     def observed_sites(self):
         return self.inner.observed_sites() - self.hidden

@@ -28,7 +28,8 @@ class StepOutput:
 class Side(Protocol):
     info: SideInfo
 
-    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0) -> None: ...   # first_seq: slot of seq 0
+    # first_seq: the slot of sequence 0; n_tokens: the most tokens a sequence will hold (prompt and generated)
+    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0, n_tokens: int = 0) -> None: ...
 
     def observed_sites(self) -> frozenset: ...
 

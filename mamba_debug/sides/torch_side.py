@@ -179,7 +179,7 @@ class TorchSide:
         self.u = -1
         self.last: Optional[StepOutput] = None
 
-    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0):
+    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0, n_tokens: int = 0):
         self.runner.reset(n_seqs)
         self.u, self.last = -1, None
 

@@ -74,7 +74,7 @@ def to_json(res: CompareResult) -> dict:
     return {
         "format": TRACE_FORMAT, "version": RESULT_VERSION,
         "config": {"n_layer": res.n_layer, "offload": res.placement.offload, "ubatch": s.ubatch, "n_seqs": s.n_seqs,
-                   "kernels": s.kernels, "device": res.sides["device"].device,
+                   "kernels": s.kernels if s.engine == "torch" else "llama.cpp", "device": res.sides["device"].device,
                    "device_label": res.sides["device"].label, "rule": s.rule,
                    "first_device_layer": res.placement.first_device_layer,
                    "head_on_device": res.placement.head_on_device, "n_prompt": res.n_prompt, "n_gen": s.n_gen,

@@ -218,3 +218,31 @@ def test_per_token_local_errors_read_mamba2_and_attention_layouts(subjects):
     faulty = {f"{layer}.{site}" for layer, site, _ in faults}
     others = {k: v for k, v in loc["max_per_token"].items() if v[0] > loc["threshold"] and k not in faulty}
     assert not others and "2.MUL_MAT#4" not in loc["max_per_token"], others
+
+
+def test_a_context_holds_every_sequences_prompt(subjects):
+    """llama.cpp splits n_ctx between the sequences (a KV cache each): a fixed 4104 gave each of 8 sequences 512
+    cells, and a 600-token prompt of the hybrid failed in llama_decode (a 4.3k-token one with a single sequence)."""
+    import torch
+    from mamba_debug.sides.llamacpp import LlamaCppSide
+    _, model, _, _ = subjects("tiny-granite-hybrid")
+    s = md.RunSettings(engine="llama.cpp", device="cpu", ubatch=8 * 600, n_seqs=8, n_gen=1).validated(model.config)
+    side = LlamaCppSide(model, s)
+    try:
+        side.reset(s, 8, n_tokens=601)
+        tokens = torch.arange(8 * 600).reshape(8, 600) % (model.config.vocab_size - 1) + 1
+        logits = side._decode(tokens, trace=False)[0]
+        assert logits.shape[:2] == (8, 600) and bool(torch.isfinite(logits).all())
+    finally:
+        side.close()
+
+
+def test_a_gguf_export_follows_the_config_not_only_the_weights(tmp_path):
+    """The export was cached under a digest of the weights alone: an edited eps (or Granite's multipliers) ran the
+    old file, and llama.cpp read as DIVERGED at layer 0's RMS_NORM."""
+    import dataclasses
+    from mamba_debug.sides.llamacpp import gguf_for
+    hf = md.load_model("tiny-mamba2")
+    first = gguf_for(hf, tmp_path)
+    edited = md.Model(dataclasses.replace(hf.config, rms_eps=1e-2), hf.params, source=hf.source)
+    assert gguf_for(edited, tmp_path) != first and gguf_for(hf, tmp_path) == first

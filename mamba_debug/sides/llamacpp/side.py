@@ -8,21 +8,18 @@ Graphs of llama.cpp's `mamba`, `mamba2` and `granitehybrid` architectures (nodes
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from ...errors import MambaDebugError
-from ...safeio import cache_dir as default_cache_dir
 from ...settings import RunSettings
 from ...trace import SideInfo
 from ..base import StepOutput
+from .gguf_file import gguf_for, model_key
 from .lib import LogCallback, load_library
 from . import contexts
 from .observe import Tracer, graph_nodes
@@ -37,33 +34,6 @@ from .nodes import HEAD_SITES, LAYER_SITES
 # is not empty, before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes
 # consume it. Read at the start of each decode.
 FAULT: Optional[Callable] = None
-
-
-def gguf_for(model, cache_dir: Optional[Path] = None) -> Path:
-    """The model's GGUF file: its own path when it was loaded from one, else an f32 export into a cache folder."""
-    src = str(model.source or "").split(" [")[0]
-    if src and Path(src).is_file() and src.endswith(".gguf"):
-        return Path(src)
-    from ...io import export_gguf  # noqa: PLC0415
-    base = cache_dir or default_cache_dir()
-    h = hashlib.sha256()
-    for k in sorted(model.params):
-        h.update(k.encode())
-        h.update(model.params[k].to(torch.float32).numpy().tobytes())
-    path = base / "gguf" / f"{Path(src).name or 'model'}-{h.hexdigest()[:16]}-f32.gguf"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        export_gguf(model, path.with_suffix(".part"), dtype="f32").rename(path)
-        print(f"mamba-debug: {src or 'the in-memory model'} exported to {path} (f32 GGUF) for llama.cpp",
-              file=sys.stderr)
-    return path
-
-
-def model_key(gguf: Path) -> tuple:
-    """What tells this model's file from another's for what the Tracer remembers across runs (observe.py, recall.py):
-    its path, size and modification time (a file rewritten in place is another model)."""
-    st = Path(gguf).stat()
-    return str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns
 
 
 class LlamaCppSide:
@@ -104,7 +74,8 @@ class LlamaCppSide:
         if n_layer != self.cfg.n_layer:
             raise MambaDebugError(f"{self.gguf}: llama.cpp reads {n_layer} layers, the reference {self.cfg.n_layer}")
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.lmodel))
-        self.ctx = None
+        self.ctx = self.mem = None
+        self.n_tokens = 0
         self.info = SideInfo("device", self._label(), None, self.s.device, "llama.cpp",
                              extra={"library": str(self.lib.path), "version": self.lib.version,
                                     "commit": self.lib.commit, "devices": [list(d) for d in self.lib.devices],
@@ -139,17 +110,19 @@ class LlamaCppSide:
         return int(os.environ.get("MAMBA_DEBUG_LLAMA_THREADS") or max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     def _context(self, n_seqs: int, n_tokens: int):
-        lib = self.lib
+        """A context for n_seqs sequences of up to n_tokens each (or the previous run's, kept with that key)."""
+        lib, first = self.lib, not self.ctx
         if self.ctx:
             lib.llama_free(self.ctx)
+            self.ctx = self.mem = None      # a failed init below must not leave a freed context to free again
         self.context_key = (n_tokens, self.s.ubatch, n_seqs, self._threads(), self._op_offload())
-        kept = contexts.take_context(self.context_key) if not self.ctx else None
+        kept = contexts.take_context(self.context_key) if first else None
         if kept is not None:        # the previous run's context (contexts.py): its graphs are known
             self.ctx, self.mem, self.tracer = kept.ctx, kept.mem, kept.tracer
             self.info.extra.update(callback=kept.callback_text, context="kept from the previous run")
             return
         cp = lib.llama_context_default_params().params
-        cp.n_ctx = max(512, n_tokens + 8)
+        cp.n_ctx = n_seqs * (n_tokens + 8)  # split between the sequences (a KV cache per sequence, not unified)
         cp.n_batch = cp.n_ctx
         cp.n_ubatch = self.s.ubatch
         cp.n_seq_max = n_seqs
@@ -170,12 +143,14 @@ class LlamaCppSide:
         self.mem = lib.llama_get_memory(self.ctx)
 
     # -- the Side seam ----------------------------------------------------------------------------
-    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0):
+    def reset(self, settings: RunSettings, n_seqs: int, first_seq: int = 0, n_tokens: int = 0):
         """Fresh states for sequences first_seq .. first_seq + n_seqs - 1, in a context with a slot for each of the
-        run's sequences (a group of them when -ub + 1 < n_seqs: llama.cpp's own seq ids, never renumbered)."""
-        if self.ctx is None or settings.n_seqs != self.n_slots:
-            self._context(settings.n_seqs, 4096)
-            self.n_slots = settings.n_seqs
+        run's sequences (a group of them when -ub + 1 < n_seqs: llama.cpp's own seq ids, never renumbered) and
+        room for n_tokens each (in steps of 4096: runs of other prompts keep one context)."""
+        room = 4096 * -(-max(n_tokens, 1) // 4096)
+        if self.ctx is None or settings.n_seqs != self.n_slots or room > self.n_tokens:
+            self._context(settings.n_seqs, room)
+            self.n_slots, self.n_tokens = settings.n_seqs, room
         self.lib.llama_memory_clear(self.mem, True)
         self.n_seqs, self.first_seq, self.u, self.pos = n_seqs, first_seq, -1, [0] * n_seqs
         self._prev_conv = {}
