@@ -133,3 +133,27 @@ def test_mamba_ssm_layout_loads(tmp_path, seed):
     assert model.config.vocab_size == Vp
     ids = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(seed))
     assert _rel(model.logits(ids)[..., :V], hf_logits(m, ids)) < 1e-4
+
+
+def test_a_conv_bias_the_config_disowns_is_ignored_as_transformers_does(tmp_path):
+    """use_conv_bias false with a conv1d.bias left in the file: transformers builds conv1d without a bias and drops
+    the tensor; mamba-debug added it (logits 2.8% apart in a user's case). Now the same logits, and a note."""
+    from safetensors.torch import load_file, save_file
+
+    import mamba_debug as md
+    hf_config = draw_mamba2_config(9)
+    hf_config.use_conv_bias = True
+    m = build(hf_config, 9)
+    m.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["use_conv_bias"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd = {k: v + 0.5 if k.endswith("conv1d.bias") else v for k, v in sd.items()}    # a bias that would show
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    from transformers import AutoModelForCausalLM
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = md.load_model(tmp_path)
+    assert any("conv1d.bias" in n for n in ours.notes)
+    ids = torch.randint(0, ours.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    assert _rel(ours.logits(ids), hf_logits(theirs, ids)) < 1e-4

@@ -115,9 +115,15 @@ def load_hf_folder(folder: Path, raw: dict | None = None) -> MambaModel:
                               f"the state-spaces one (d_model, n_layer, ssm_cfg)")
     cfg = _config(raw, tensors, cfg_path, layout)
     names = tensor_names(cfg, layout)
+    if not cfg.conv_bias:       # transformers builds conv1d without a bias: a file's is ignored (and noted)
+        names = {k: v for k, v in names.items() if not k.endswith(".conv_b")}
     extra = check_extra_tensors(tensors, set(names.values()) | {LAYOUTS[layout].names["lm_head"]}, cfg.n_layer,
                                 folder)
-    params = check_params(cfg, _translate(cfg, tensors, names), str(folder), names)
+    params = _translate(cfg, tensors, names)
+    if not cfg.conv_bias:
+        params.update({k: torch.zeros(shape, dtype=torch.float64) for k, shape in param_shapes(cfg).items()
+                       if k.endswith(".conv_b")})
+    params = check_params(cfg, params, str(folder), names)
     notes = [f"ignored tensors the config does not account for: {', '.join(extra[:4])}"] if extra else []
     return MambaModel(cfg, params, _read_tokenizer(folder), source=str(folder), notes=notes)
 

@@ -224,7 +224,8 @@ def _names(cfg: ModelConfig, granite: bool) -> dict:
 
 def tensor_names(cfg: ModelConfig, tensors: dict) -> set:
     """The transformers names this config reads from `tensors` (mamba_ssm's embedding spelling included)."""
-    names = set(_names(cfg, any(k.startswith("model.") for k in tensors)).values())
+    names = {v for k, v in _names(cfg, any(k.startswith("model.") for k in tensors)).items()
+             if cfg.conv_bias or not k.endswith("conv_b")}          # else a file's conv bias is noted as ignored
     return names | {n.replace("backbone.embeddings.", "backbone.embedding.") for n in names}
 
 
@@ -236,14 +237,14 @@ def params_from_hf(cfg: ModelConfig, tensors: dict, shapes: dict, where: str = "
     out = {}
     for canon in shapes:
         hf = names[canon]
+        if canon.endswith("conv_b") and not cfg.conv_bias:     # transformers' conv1d has none: a file's is ignored
+            out[canon] = torch.zeros(shapes[canon], dtype=torch.float64)
+            continue
         if hf not in tensors:
             hf_alt = hf.replace("backbone.embeddings.", "backbone.embedding.")   # mamba_ssm spelling
             if hf_alt in tensors:
                 hf = hf_alt
             elif canon == "lm_head" and (cfg.tie_embeddings or "lm_head.weight" not in tensors):
-                continue
-            elif canon.endswith("conv_b") and not cfg.conv_bias:
-                out[canon] = torch.zeros(shapes[canon], dtype=torch.float64)
                 continue
             else:
                 raise CheckpointError(f"{where}: missing tensor {hf} (config.json implies it); the file is incomplete "
