@@ -29,7 +29,7 @@ from .model import Model, Runner, check_tokens, prompt_list, require_model
 from .settings import K_FLOOR, RunSettings, as_settings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
 from .accumulate import Accumulator, merge_groups
-from .refcheck import check_reference
+from .refcheck import check_float32_range, check_reference
 from .sides.base import SharedReference
 from .sides.torch_side import TorchSide
 from .trace import CompareResult, SideInfo, TokenInfo, find_first_divergence, thresholds_from_floor
@@ -104,6 +104,7 @@ def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, 
             merge_groups(res, parts)
         if hasattr(dev, "observer_effect"):      # an engine traced from outside: does tracing change it?
             dev.observer_effect()
+    check_float32_range(res)
     res.thresholds = thresholds_from_floor(res.floor, s.k_floor)
     res.first_divergence = find_first_divergence(res)
     judge = getattr(dev, "judge", None)     # an engine that knows its arithmetic paths (llama.cpp)

@@ -6,6 +6,11 @@ lies anywhere; only then are the sites searched in graph order for the first bad
 multi-tensor max-magnitude per dtype (`torch._foreach_norm`, ord inf: nothing overflows, NaN and Inf propagate),
 a few launches for ~1000 sites: 8.5 ms a ubatch and side against 26.5 ms for a sum per site (2.8B model, ubatch
 128 and 256, an H100, 2026-12-05). On a CPU a sum per site is the faster one.
+
+Finite is not enough either: activations past float32's range can leave a float32 reference finite and wrong (x**2
+overflowing inside a norm zeroes its output). Then the rounding floor (float32 against float64) is ~1 at every site
+after it, every threshold ~10, and nothing could diverge: `check_float32_range` refuses such a run, naming the first
+site where float32 left float64 (`FLOAT32_LIMIT`: floors of real models sit at 1e-7..1e-4).
 """
 from __future__ import annotations
 
@@ -18,6 +23,32 @@ from .errors import MambaDebugError
 
 class NonFiniteReference(MambaDebugError):
     """A reference side produced NaN/Inf: the comparison has no valid reference."""
+
+
+class OutOfFloat32Range(MambaDebugError):
+    """The float32 reference is finite but not float64's: the model's activations pass float32's range."""
+
+
+FLOAT32_LIMIT = 1e-2        # a float32 reference this far from float64 (rel. L2) is not rounding: it cannot carry the model
+
+
+def check_float32_range(res) -> None:
+    """Refuse a comparison whose float32 reference's logits left float64's past FLOAT32_LIMIT (see the module
+    docstring), naming the first site in graph order, earliest token first, where it did."""
+    logits = res.floor.get((None, "logits"))
+    if logits is None or not float(logits.nan_to_num(0).max()) > FLOAT32_LIMIT:
+        return
+    first = min(((int(torch.nonzero((f.nan_to_num(0) > FLOAT32_LIMIT).any(0))[0]), i), key)
+                for i, (key, f) in enumerate((k, res.floor[k]) for k in res.site_order() if k in res.floor)
+                if (f.nan_to_num(0) > FLOAT32_LIMIT).any())
+    (token, _), (layer, site) = first
+    where = "the output head" if layer is None else f"layer {layer}"
+    value = float(res.floor[(layer, site)][:, token].nan_to_num(0).max())
+    raise OutOfFloat32Range(
+        f"the float32 reference left the float64 one at {where}, site {site}, token {token} (relative error "
+        f"{value:.2g}; float32's rounding gives 1e-7..1e-4), and its logits by up to {float(logits.max()):.2g}: the "
+        f"activations pass float32's range (an overflow or underflow), so no threshold made from its rounding can "
+        f"tell a bug from it. The weights or inputs are out of scale, or the model is damaged")
 
 
 def check_reference(name: str, label: str, sites: dict, logits: torch.Tensor, ubatch: int, order: list):

@@ -123,6 +123,18 @@ def test_weight_that_overflows_float32_is_refused_naming_the_tensor(tmp_path):
         load_model(tmp_path / "m")
 
 
+@pytest.mark.parametrize("reference", ["float32", "float64"])
+def test_activations_past_float32s_range_are_refused_naming_where_float32_left(reference):
+    """Embeddings at 1e25: x**2 overflows in layer 0's norm, whose float32 output is finite zeros. Every floor was
+    then ~1, every threshold ~10: "no divergence" with a KLD of 8 and a reference perplexity of inf."""
+    from mamba_debug.refcheck import OutOfFloat32Range
+    from mamba_debug.settings import RunSettings
+    m = random_model()
+    m.params["embed"] = m.params["embed"] * 1e25
+    with pytest.raises(OutOfFloat32Range, match="float32 reference left the float64 one at layer 0, site norm, token 0"):
+        run_compare(m, [1, 2, 3, 4, 5], RunSettings(device="cpu", kernels="torch", n_gen=1, reference=reference))
+
+
 @pytest.mark.parametrize("eps", [-1, 0, float("nan"), 5])
 def test_norm_eps_out_of_range_is_refused_naming_the_key(folder, eps):
     cfg = json.loads((folder / "config.json").read_text())
