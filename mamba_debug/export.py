@@ -115,7 +115,7 @@ def replay_case(case_dir, kernels=None):
                               f"`mamba-debug export-case --out DIR` wrote")
     if kernels is not None and not Path(kernels).is_file():
         raise MambaDebugError(f"kernels={kernels}: no such plug-in file; give the path of a .py file that defines OPS")
-    env = dict(os.environ, **({"MAMBA_DEBUG_KERNELS": str(kernels)} if kernels else {}))
+    env = dict(os.environ, **({"MAMBA_DEBUG_KERNELS": str(Path(kernels).resolve())} if kernels else {}))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(case_dir / "test_case.py")], capture_output=True, text=True, cwd=case_dir, env=env)
 

@@ -48,13 +48,17 @@ def test_a_mamba2_or_hybrid_op_replays_against_its_float64_reference(tmp_path, o
 
 
 def test_a_case_folder_given_relative_to_the_working_directory_replays(tmp_path, monkeypatch):
-    """The replay runs in the case's folder, where a relative path was applied a second time: pytest found no file."""
+    """The replay runs in the case's folder, where a relative path (the case's, or the plug-in's to replay with) was
+    read from there: pytest found no file."""
     export_case(random_model(), PROMPT, RunSettings(device="cpu", ubatch=4, n_gen=1,
                                                     kernels=_write(tmp_path, "bad.py", WRONG.format(op="silu"))),
                 tmp_path / "case")
     monkeypatch.chdir(tmp_path)
     r = replay_case("case")
     assert r.returncode == 1 and "NMSE" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    _write(tmp_path, "good.py", RIGHT.format(op="silu"))
+    r = replay_case("case", "good.py")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 MULTI_TOKEN_SILU = '''
