@@ -47,10 +47,16 @@ def check_split(devices: tuple, tensor_split: tuple) -> None:
     for x in tensor_split:
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
             raise MambaDebugError(f"--tensor-split shares must be finite numbers >= 0, got {list(tensor_split)}")
-    if not any(tensor_split):
+    with np.errstate(over="ignore"):        # llama.cpp takes the shares and their sum in float32
+        shares = [np.float32(x) for x in tensor_split]
+        total = np.float32(sum(shares))
+    if not any(shares):
         raise MambaDebugError(f"--tensor-split {','.join(map(_num, tensor_split))} gives every device a share of "
-                              f"0 (llama.cpp would then split by free memory, which mamba-debug cannot know): give "
-                              f"at least one share > 0")
+                              f"0 in float32 (llama.cpp would then split by free memory, which mamba-debug cannot "
+                              f"know): give at least one share > 0")
+    if not np.isfinite(total):
+        raise MambaDebugError(f"--tensor-split {','.join(map(_num, tensor_split))}: the shares add up past float32's "
+                              f"range, where llama.cpp sums them; give smaller shares (only their ratios count)")
 
 
 def _num(x) -> str:

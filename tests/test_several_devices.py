@@ -82,6 +82,10 @@ def test_device_boundaries_and_description():
     ({"devices": ["cpu", "cpu"], "tensor_split": [1, -1]}, "--tensor-split shares must be finite numbers >= 0"),
     ({"devices": ["cpu", "cpu"], "tensor_split": [1, float("nan")]}, "--tensor-split shares must be finite"),
     ({"devices": ["cpu", "cpu"], "tensor_split": [0, 0]}, "--tensor-split 0,0 gives every device a share of 0"),
+    # llama.cpp works the shares in float32: all zero there, or a sum past its range (an IndexError from inside)
+    ({"devices": ["cpu", "cpu"], "tensor_split": [1e-50, 1e-50]}, "a share of 0 in float32"),
+    ({"devices": ["cpu", "cpu"], "tensor_split": [1e40, 1]}, "the shares add up past float32's range"),
+    ({"devices": ["cpu", "cpu"], "tensor_split": [3e38, 3e38]}, "the shares add up past float32's range"),
     ({"tensor_split": [3, 1]}, "--tensor-split needs --devices"),
     ({"devices": ["cpu"] * 17}, "--devices lists 17 devices"),
     ({"devices": ["cuda:0", "cuda:1"]}, "--devices cuda:0,cuda:1: the device side runs on the CPU here"),
