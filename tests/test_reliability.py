@@ -390,6 +390,30 @@ def test_stray_second_weights_file_is_never_mixed_in(folder):
         load_model(folder)
 
 
+def test_a_save_over_another_checkpoint_is_refused_and_the_single_file_wins_over_an_old_index(tmp_path):
+    """A sharded checkpoint's index and shards left in the folder were read back instead of the model.safetensors
+    save_hf had just written (transformers reads the single file first); a tokenizer-less model saved over a folder
+    with a tokenizer.json came back with that tokenizer."""
+    from safetensors.torch import load_file, save_file
+    old, new = random_model(n_layer=2, seed=1), random_model(n_layer=2, seed=2)
+    folder = save_hf(old, tmp_path / "m")
+    sd = load_file(str(folder / "model.safetensors"))
+    save_file(sd, str(folder / "model-00001-of-00001.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in sd}}))
+    with pytest.raises(MambaDebugError, match="holds model-00001-of-00001.safetensors, model.safetensors.index.json "
+                                              "of another checkpoint"):
+        save_hf(new, folder)
+    save_hf(new, tmp_path / "n")                                           # an ordinary save, then an old index
+    for name in ("model.safetensors.index.json", "model-00001-of-00001.safetensors"):
+        (folder / name).rename(tmp_path / "n" / name)
+    torch.testing.assert_close(load_model(tmp_path / "n").params["embed"], new.params["embed"].double())
+    (folder / "tokenizer.json").write_text("{}")
+    new.tokenizer = None
+    with pytest.raises(MambaDebugError, match="holds tokenizer.json of another checkpoint"):
+        save_hf(new, folder)
+
+
 def test_extra_layer_in_the_checkpoint_is_refused(tmp_path):
     save_hf(random_model(n_layer=3), tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())

@@ -22,7 +22,7 @@ from ..limits import check_config_values, check_weight_bytes
 from ..model import MambaModel, require_model
 from ..safeio import atomic_path, write_text
 from . import hf_mamba2
-from .hf_files import check_extra_tensors, weights_files
+from .hf_files import check_extra_tensors, other_checkpoint_files, weights_files
 from .weights import check_params
 
 
@@ -263,6 +263,11 @@ def save_hf(model: MambaModel, folder, dtype: torch.dtype = torch.float32) -> Pa
     c, folder = model.config, Path(folder)
     if folder.exists() and not folder.is_dir():
         raise MambaDebugError(f"{folder} is a file; save_hf writes a folder (config.json, model.safetensors)")
+    stale = other_checkpoint_files(folder, model.tokenizer is not None) if folder.is_dir() else []
+    if stale:
+        raise MambaDebugError(f"{folder} holds {', '.join(stale[:4])}{' ...' if len(stale) > 4 else ''} of another "
+                              f"checkpoint, which a reader would take with these weights; save into an empty folder "
+                              f"or remove them")
     folder.mkdir(parents=True, exist_ok=True)
     if set(c.layer_types) != {"mamba1"}:                     # Mamba2ForCausalLM / GraniteMoeHybridForCausalLM
         tensors, config = hf_mamba2.params_to_hf(c, model.params, dtype), hf_mamba2.config_to_hf(c)
