@@ -39,7 +39,9 @@ class Model:
         self.tokenizer = tokenizer
         self.source = source              # the path it was loaded from ("" in memory)
         self.notes = list(notes)          # what the loader could not carry over (e.g. a tokenizer it did not rebuild)
+        self.file_state = None            # params_state() when the masters were read from `source` (a GGUF's loader)
         self._cast: dict = {}
+        self._cast_state = None
 
     def __repr__(self) -> str:
         c = self.config
@@ -47,6 +49,19 @@ class Model:
         extra = f" H={c.n_heads} P={c.head_dim} G={c.n_groups}" if "mamba2" in c.layer_types else f" R={c.dt_rank}"
         return (f"MambaModel({self.source or 'in memory'}: {kinds}L={c.n_layer} E={c.d_model} D={c.d_inner} "
                 f"N={c.d_state} K={c.d_conv}{extra} V={c.vocab_size})")
+
+    def params_state(self) -> tuple:
+        """What tells the masters' current values from earlier ones without reading them: each tensor's identity
+        and its in-place version counter (an edit like `params[k] *= 3` bumps it)."""
+        return tuple((k, id(t), t._version) for k, t in self.params.items())
+
+    def fresh_casts(self):
+        """Drop the back-ends' cached copies of the weights when a master changed since they were cast (an edit
+        between two runs was read by one reference and not by the other)."""
+        state = self.params_state()
+        if state != self._cast_state:
+            self._cast.clear()
+            self._cast_state = state
 
     def weights(self, backend: Backend) -> dict:
         """Parameters in the back-end's dtype on its device (widened here when they are stored narrow)."""
@@ -271,6 +286,7 @@ class Runner:
         self.layer_backends = [host if k is None else self.devices[k] for k in self.layer_slots]
         self.head_backend = host if self.head_slot is None else self.devices[self.head_slot]
         self.layer_types = [layer_type(cfg, i) for i in range(cfg.n_layer)]
+        model.fresh_casts()
         stored = [model.stored_weights(b) for b in self.layer_backends]
         self.layer_weights = [self._layer_weights(w, i) for i, (w, _) in enumerate(stored)]
         self.layer_widen = [widen for _, widen in stored]      # widened one block at a time as it runs

@@ -546,3 +546,15 @@ def test_wide_elements_counts_the_weights_that_are_not_float32_values():
     name = random.choice([k for k in m.params if k != "lm_head"])
     m.params[name].view(-1)[random.randrange(m.params[name].numel())] = 1 + 2.0 ** -40   # not a float32 value
     assert m.wide_elements() == m.params[name].numel()
+
+
+def test_a_weight_edited_between_two_runs_is_read_by_every_side(model):
+    """The back-ends' cast copies were cached per model: after `params[k] *= 3` the float32 sides kept the old
+    weight and the float64 reference's on-the-fly copy read the new one."""
+    s = CompareSettings(device="cpu", kernels="torch", n_gen=1, offload=2)
+    run_compare(model, PROMPT, s)
+    model.params["layers.1.D"] *= 3
+    edited = run_compare(model, PROMPT, s)
+    fresh = run_compare(md.Model(model.config, {k: v.clone() for k, v in model.params.items()}), PROMPT, s)
+    assert edited.first_divergence is None and edited.perplexity == fresh.perplexity
+    assert torch.equal(edited.logits["kld"], fresh.logits["kld"])

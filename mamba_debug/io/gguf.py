@@ -199,7 +199,9 @@ def _load(reader, path: Path, size: int, gguf) -> MambaModel:
     tokenizer, notes = read_tokenizer(reader)
     if extra:
         notes.append(f"ignored unknown tensors {', '.join(extra[:4])}")
-    return MambaModel(cfg, params, tokenizer, source=str(path), notes=notes)
+    model = MambaModel(cfg, params, tokenizer, source=str(path), notes=notes)
+    model.file_state = model.params_state()         # llama.cpp may run the file itself while these stay the same
+    return model
 
 
 def _short_float(x) -> float:

@@ -250,7 +250,9 @@ def _load(reader, a: str, path: Path, size: int, gguf) -> MambaModel:
     tokenizer, notes = read_tokenizer(reader)
     if extra:
         notes.append(f"ignored unknown tensors {', '.join(extra[:4])}")
-    return MambaModel(cfg, params, tokenizer, source=str(path), notes=notes)
+    model = MambaModel(cfg, params, tokenizer, source=str(path), notes=notes)
+    model.file_state = model.params_state()         # llama.cpp may run the file itself while these stay the same
+    return model
 
 
 __all__ = ["export_gguf", "load_gguf", "tensor_names"]

@@ -246,3 +246,15 @@ def test_a_gguf_export_follows_the_config_not_only_the_weights(tmp_path):
     first = gguf_for(hf, tmp_path)
     edited = md.Model(dataclasses.replace(hf.config, rms_eps=1e-2), hf.params, source=hf.source)
     assert gguf_for(edited, tmp_path) != first and gguf_for(hf, tmp_path) == first
+
+
+def test_a_loaded_gguf_whose_weights_were_edited_is_exported_again(subjects, tmp_path):
+    """llama.cpp ran the file on disk, not the edited weights: a false DIVERGED where the edit was."""
+    from mamba_debug.sides.llamacpp import gguf_for
+    _, model, _, path = subjects("tiny-mamba2")
+    assert gguf_for(model, tmp_path) == path
+    model.params["layers.1.D"] *= 3
+    try:
+        assert gguf_for(model, tmp_path) != path and not (tmp_path / "gguf").samefile(path.parent)
+    finally:
+        model.params["layers.1.D"] /= 3

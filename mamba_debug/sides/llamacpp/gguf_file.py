@@ -15,9 +15,10 @@ from ...safeio import cache_dir as default_cache_dir
 
 
 def gguf_for(model, cache_dir: Optional[Path] = None) -> Path:
-    """The model's GGUF file: its own path when it was loaded from one, else an f32 export into a cache folder."""
+    """The model's GGUF file: its own path when it was loaded from one and its weights are still the file's, else an
+    f32 export into a cache folder (an edited weight of a loaded GGUF ran the file's: a false DIVERGED)."""
     src = str(model.source or "").split(" [")[0]
-    if src and Path(src).is_file() and src.endswith(".gguf"):
+    if src and Path(src).is_file() and src.endswith(".gguf") and model.file_state == model.params_state():
         return Path(src)
     from ...io import export_gguf  # noqa: PLC0415
     base = cache_dir or default_cache_dir()
