@@ -61,10 +61,11 @@ def build_model(config: ModelConfig, params: dict, tokenizer=None, source: str =
     checkpoint: every tensor present, of its shape and finite, no unknown name; stored as float64 masters. A dict
     config is read as `ModelConfig(**config)`."""
     from .io import check_params  # noqa: PLC0415
-    from .io.weights import in_memory_params  # noqa: PLC0415
+    from .io.weights import check_config_agrees, in_memory_params  # noqa: PLC0415
     config = as_config(config, "build_model")
-    params = in_memory_params(config, params)
-    return Model(config, check_params(config, params, source or "in-memory model"), tokenizer, source=source)
+    params = check_params(config, in_memory_params(config, params), source or "in-memory model")
+    check_config_agrees(config, params, source or "in-memory model")
+    return Model(config, params, tokenizer, source=source)
 
 
 # Module paths from before the restructure stay importable (old notebooks, user scripts): each old name is the

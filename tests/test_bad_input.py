@@ -315,6 +315,20 @@ def test_build_model_refuses_unknown_names_and_unreal_tensors_and_takes_arrays()
         md.build_model(cfg, list(params.values()))
 
 
+def test_build_model_refuses_masters_that_contradict_the_config():
+    """A distinct lm_head with tie_embeddings true, or a conv bias with conv_bias false: saved or exported, each
+    became the config's (the head tied, the bias dropped), and the model changed on the way (logits 1.48 apart)."""
+    cfg = md.ModelConfig(d_model=16, n_layer=1, vocab_size=20)
+    params = {k: torch.full(v, 0.1, dtype=torch.float64) for k, v in md.param_shapes(cfg).items()}
+    params["layers.0.A"] = -params["layers.0.A"] - 1
+    with pytest.raises(CheckpointError, match="tie_embeddings is true but lm_head is not the embedding"):
+        md.build_model(cfg, {**params, "lm_head": params["embed"] * 2})
+    no_bias = md.ModelConfig(d_model=16, n_layer=1, vocab_size=20, conv_bias=False)
+    with pytest.raises(CheckpointError, match="conv_bias is false but layers.0.conv_b is not zero"):
+        md.build_model(no_bias, params)
+    md.build_model(no_bias, {**params, "layers.0.conv_b": torch.zeros_like(params["layers.0.conv_b"])})
+
+
 def test_public_functions_refuse_a_wrong_first_argument_naming_themselves(tmp_path):
     """None or another type where a result or a model goes was an AttributeError from inside; replay_case of a
     folder that is no case ran pytest there; describe_gguf of a text file was a numpy ValueError; example_inputs of

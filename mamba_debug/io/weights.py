@@ -69,6 +69,20 @@ def in_memory_params(cfg: ModelConfig, params) -> dict:
     return {k: made.get(id(v), v) for k, v in params.items()}
 
 
+def check_config_agrees(cfg: ModelConfig, params: dict, source: str) -> None:
+    """Masters that contradict the config (`md.build_model`'s, checked like a checkpoint's read): a tied head that is
+    not the embedding, a conv bias where the config has none. Saved or exported, each became the config's (a
+    checkpoint ties the head and drops the bias), so the model changed on the way (logits 1.48 rel. L2 apart)."""
+    if cfg.tie_embeddings and not torch.equal(params["lm_head"], params["embed"]):
+        raise CheckpointError(f"{source}: tie_embeddings is true but lm_head is not the embedding; pass the same "
+                              f"tensor for both, or set tie_embeddings=False")
+    if not cfg.conv_bias:
+        bias = [k for k in params if k.endswith(".conv_b") and bool(params[k].any())]
+        if bias:
+            raise CheckpointError(f"{source}: conv_bias is false but {bias[0]} is not zero; give zeros, or set "
+                                  f"conv_bias=True")
+
+
 def _check_values(t: torch.Tensor, what: str):
     """NaN/Inf and float32's range, from one min/max pass over the float64 master: NaN propagates into both, an Inf
     into one, and max(-min, max) is the largest magnitude. `isfinite(t).all()` and `abs().max()` made full-size
