@@ -158,11 +158,18 @@ def test_json_has_the_design_fields(model, plugin):
     assert j["per_layer"][0]["first_bad"] is None and j["per_layer"][2]["first_bad"]["site"] == "gate"
 
 
-def test_local_mode_separates_own_from_inherited_error(model, plugin):
+def test_local_mode_separates_own_from_inherited_error(model, plugin, tmp_path):
     res = _run(model, offload=3, ubatch=4, kernels=plugin(STRIDED_SILU), local=True)
     rows = to_json(res)["per_layer"]
     assert rows[1]["local_resid_rel_l2"] > 1e-3            # every device layer has its own error
     assert rows[2]["local_resid_rel_l2"] > 1e-3 and rows[2]["amplification"] is not None
+    # in words and in the report too (they were in the JSON only)
+    assert "the error is born at layer 1 (its own resid error" in summary(res)
+    clean = _run(model, offload=3, ubatch=4, local=True)
+    assert "every one's own error within its threshold" in summary(clean)
+    from mamba_debug.views.report import write_report
+    page = write_report(res, tmp_path / "r.html").read_text()
+    assert "own error and what it inherited" in page and page.count("<tr><td>") >= 3
 
 
 def test_repeat_flags_nondeterminism(model, plugin):

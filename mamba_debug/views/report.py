@@ -10,6 +10,7 @@ from pathlib import Path
 from ..safeio import write_text
 from ..trace import CompareResult, require_result
 from .base import REPORT_DPI, SCREEN_DPI, fig_png, new_figure
+from .local_mode import layer_local_table
 from .registry import VIEWS
 from .summary import engine_local, summary, to_json
 
@@ -58,7 +59,7 @@ def write_report(res: CompareResult, path, extra: tuple = ()) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = to_json(res)
-    extra = tuple(extra) + _local_table(res)
+    extra = tuple(extra) + _local_table(res) + layer_local_table(res)
     body = "\n".join([f"<h2>{html.escape(t)}</h2>{h}" for t, h in extra] + sections(res))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>mamba-debug report</title>
 <style>{STYLE}</style></head><body>
@@ -82,5 +83,5 @@ def _local_table(res: CompareResult, rows: int = 12) -> tuple:
                     for k, v in worst)
     return (("Local error per node (largest first)",
              f"<p>{len(loc['max_per_node'])} nodes recomputed; FP32 floor x k = {loc['threshold']:.2g}, TF32 limit "
-             f"{loc['tf32_limit']:.2g}.</p><table><tr><th>layer.site</th><th>local rel. L2</th><th>x floor</th></tr>"
+             f"{loc['tf32_limit']:.2g}.</p><table><tr><th>layer.site</th><th>local rel. L2</th><th>/ (floor x k)</th></tr>"
              f"{cells}</table>"),)

@@ -13,6 +13,7 @@ import torch
 from ..arch import MODEL_SITES
 from ..trace import (RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, json_safe, nanmax, require_result,
                      worst_excess)
+from .local_mode import layer_local_line
 
 
 def _err(res: CompareResult, key):
@@ -154,9 +155,9 @@ def summary(res: CompareResult) -> str:
         lines.append("layers    first bad token per layer: " +
                      ", ".join(f"L{r['layer']}@t{r['first_bad']['token']}:{r['first_bad']['site']}" for r in bad[:8]) +
                      (" ..." if len(bad) > 8 else ""))
-    local = local_line(res)
-    if local:
-        lines.append(local)
+    for local in (local_line(res), layer_local_line(res)):
+        if local:
+            lines.append(local)
     if res.nondeterminism:
         nd = res.nondeterminism
         lines.append(f"WARNING   device side is not deterministic: runs differ by {nd['rel_l2']:.2g} (rel L2) at "
