@@ -368,6 +368,7 @@ def cmd_export_gguf(args) -> int:
     model = load_model(args.model)
     out = export_gguf(model, args.out, dtype=args.dtype)
     print(f"# {model!r} -> GGUF {args.dtype}")
+    print(f"wrote     {out}")
     print(describe_gguf(out, notes=model.notes))
     return 0
 

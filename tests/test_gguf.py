@@ -174,6 +174,8 @@ def test_cli_export_gguf(hf_model, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "wrote" in out and "Q8_0" in out and "tokenizer gpt2" in out
     assert load_model(tmp_path / "o.gguf").config == hf_model.config
+    from mamba_debug.io import describe_gguf
+    assert describe_gguf(tmp_path / "o.gguf").startswith("file "), "describing a file is not writing it"
 
 
 # -- damaged files --------------------------------------------------------------------------------

@@ -330,7 +330,7 @@ def _encode(t: np.ndarray, qt, gguf):
 
 
 def describe_gguf(path, notes=()) -> str:
-    """One line per fact of a written GGUF (architecture, dimensions, tensor types, tokenizer, size); `notes`
+    """One line per fact of a GGUF file (architecture, dimensions, tensor types, tokenizer, size); `notes`
     (the exported model's `model.notes`: what its loader did not carry over) are listed last."""
     path = Path(path)
     if not path.is_file():
@@ -347,7 +347,7 @@ def describe_gguf(path, notes=()) -> str:
     tok = f("tokenizer.ggml.model")
     n_tok = len(reader.get_field("tokenizer.ggml.tokens").data) if reader.get_field("tokenizer.ggml.tokens") else 0
     lines = [
-        f"wrote     {path} ({path.stat().st_size / 2**20:.2f} MiB)",
+        f"file      {path} ({path.stat().st_size / 2**20:.2f} MiB)",
         f"arch      {a}: n_layer {f(a + '.block_count')}, n_embd "
         f"{f(a + '.embedding_length')}, d_inner {f(a + '.ssm.inner_size')}, d_state {f(a + '.ssm.state_size')}, "
         f"d_conv {f(a + '.ssm.conv_kernel')}, "
