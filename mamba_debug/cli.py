@@ -47,13 +47,21 @@ def _n_gen(text: str) -> int:
     return value
 
 
+def _items(text: str, example: str) -> list:
+    """A comma list's items; an empty one refused, as the Python API refuses it (`--devices cpu,,cpu` ran two)."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty item; give e.g. {example}")
+    return items
+
+
 def _int_list(text: str) -> list:
     try:
         if ".." in text:
             a, b = text.split("..")
             out = list(range(int(a), int(b) + 1))
         else:
-            out = [int(x) for x in text.split(",") if x.strip()]
+            out = [int(x) for x in _items(text, "1,2,8")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a list like 1,2,8 or a range like 0..13, got {text!r}") from None
     if not out:
@@ -62,12 +70,12 @@ def _int_list(text: str) -> list:
 
 
 def _str_list(text: str) -> list:
-    return [x for x in text.split(",") if x]
+    return _items(text, "a,b")
 
 
 def _float_list(text: str) -> list:
     try:
-        out = [float(x) for x in text.split(",") if x.strip()]
+        out = [float(x) for x in _items(text, "3,1")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 3,1, got {text!r}") from None
     if not out:

@@ -348,7 +348,8 @@ def test_freed_heap_is_given_back_to_the_system():
 
 @pytest.mark.parametrize("argv", [["sweep", "--ubatches", "5..2"], ["sweep", "--n-seqs-list", ","],
                                   ["compare", "--prompt", " "], ["compare", "--k-floor", "nan"],
-                                  ["compare", "--layers", ","]])
+                                  ["compare", "--layers", ","], ["compare", "--devices", "cpu,,cpu"],
+                                  ["compare", "--sites", "gate,"], ["sweep", "--ubatches", "1,,2"]])
 def test_empty_reversed_or_nan_arguments_are_exit_2(folder, capsys, argv):
     with pytest.raises(SystemExit) as e:
         rc = cli.main(argv[:1] + ["--model", str(folder)] + argv[1:] + ["--device", "cpu"])
