@@ -134,6 +134,9 @@ def test_a_saved_run_of_groups_with_their_own_ubatches_reopens_with_the_same_fir
     assert (fd["seq"], fd["token"], fd["ubatch"], fd["index_in_ubatch"]) == (4, 1, 0, 1) and res.seq_token_info
     back = load_trace(save_trace(res, tmp_path / "run.safetensors"))
     assert back.first_divergence == fd and summary(back) == summary(res)
+    from mamba_debug.views import to_json
+    assert to_json(res)["config"]["seq_groups"] == [{"seqs": [0, 4], "ubatch_per_seq": 1},
+                                                    {"seqs": [4, 5], "ubatch_per_seq": 3}]
 
 
 def test_the_views_mark_each_sequences_own_ubatch_boundaries(tmp_path):

@@ -57,6 +57,15 @@ def per_layer(res: CompareResult) -> list[dict]:
     return rows
 
 
+def _groups(s) -> dict:
+    """With groups of sequences (-ub + 1 < n_seqs), each group's sequences and its tokens per sequence in a ubatch:
+    `ubatch_per_seq` and `tokens` are the first group's, and a smaller last group runs longer ubatches."""
+    groups = s.seq_groups()
+    if len(groups) < 2:
+        return {}
+    return {"seq_groups": [{"seqs": [a, b], "ubatch_per_seq": s.ubatch_per_seq(b - a)} for a, b in groups]}
+
+
 def split_config(p) -> dict:
     """A split placement's keys of the JSON config (none with one device): the devices, the shares, which device
     each block and the head ran on, and the blocks (n_layer: the head) where the hidden state changed device."""
@@ -82,7 +91,7 @@ def to_json(res: CompareResult) -> dict:
                    "reference": s.reference, "ref_device": s.ref_device, "k_floor": s.k_floor, "capture": s.capture,
                    "local": s.local, "repeat": s.repeat, "model": res.model_info,
                    "engine": s.engine, "ubatch_per_seq": s.ubatch_per_seq(),
-                   "seqs_per_ubatch": s.seqs_per_ubatch(),
+                   "seqs_per_ubatch": s.seqs_per_ubatch(), **_groups(s),
                    **({"llama_cpp": json_safe(res.sides["device"].extra)} if res.sides["device"].extra else {}),
                    **split_config(res.placement)},
         "first_divergence": _with_node(fd, res.sides["device"].extra),
