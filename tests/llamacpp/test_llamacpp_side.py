@@ -206,7 +206,7 @@ def test_a_cuda_divergence_is_replayed_over_the_whole_schedule(subject, monkeypa
     """On CUDA local errors are measured only when the verdict needs them: a divergence replays every ubatch of every
     group of sequences with them (a fault in a later ubatch must not hide behind an excused TF32 drift), checked
     bit for bit; the CPU build stands in for CUDA here (same replay, every node FP32)."""
-    monkeypatch.setattr(lside, "_replay_whole", lambda s: True)
+    monkeypatch.setattr(lside, "_replay_whole", lambda s, reduced: True)
 
     def hook(node, a, u, first_seq):
         if node.name == "embd" and u == 1 and first_seq == 0:
@@ -223,7 +223,7 @@ def test_a_cuda_divergence_is_replayed_over_the_whole_schedule(subject, monkeypa
 
 def test_a_clean_run_needs_no_local_errors(subject, monkeypatch):
     """No divergence: nothing replayed, on CUDA as on the CPU (the run asked llama.cpp for its mapped nodes only)."""
-    monkeypatch.setattr(lside, "_replay_whole", lambda s: True)
+    monkeypatch.setattr(lside, "_replay_whole", lambda s, reduced: True)
     extra = compare(subject, 2, 1).sides["device"].extra
     assert "local_replay" not in extra and "local" not in extra
 

@@ -41,3 +41,10 @@ def model_key(gguf: Path) -> tuple:
     its path, size and modification time (a file rewritten in place is another model)."""
     st = Path(gguf).stat()
     return str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns
+
+
+def matmul_weights_narrower(gguf: Path) -> bool:
+    """Whether any matrix of the file is stored narrower than float32 (f16, bf16, quantized): llama.cpp then rounds
+    those matmuls' activations (local.py's weight paths), so a divergence needs every ubatch's local errors."""
+    from gguf import GGMLQuantizationType, GGUFReader  # noqa: PLC0415
+    return any(t.tensor_type != GGMLQuantizationType.F32 and len(t.shape) >= 2 for t in GGUFReader(str(gguf)).tensors)

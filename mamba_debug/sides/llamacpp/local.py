@@ -34,6 +34,25 @@ FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps)
 # mmf truncates its operands). A TF32 node is excused up to this; beyond it, it is a fault like any other.
 TF32_FLOOR = 1.2e-3
 TF32_LIMIT = 4 * TF32_FLOOR
+# A GGUF's weights narrower than float32 (f16, bf16, a quantized type): ggml rounds a MUL_MAT's activations to the
+# weights' dot-product type first, on the CPU (vec_dot_type) and in CUDA's kernels: f16, bf16, or 8-bit blocks with a
+# scale each (q8_0 / q8_1 / q8_K) for every quantized type. The float64 recompute reads the same (dequantized)
+# weights, so a node's local error is that rounding; each family's floor is the unit roundoff of its rounding (f16
+# 2^-11, bf16 2^-8; 8-bit: a step of amax/127 in blocks of 32), and a node is excused up to 4x it, like TF32.
+WEIGHT_FLOORS = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "8-bit": 2e-2}
+WEIGHT_TYPES = {1: "f16", 30: "bf16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 10: "q2_K", 11: "q3_K",
+                12: "q4_K", 13: "q5_K", 14: "q6_K"}
+
+
+def path_floor(path: str) -> float:
+    """The floor of a reduced-precision path (path_of's text): TF32's, or its weights' family's."""
+    head = path.split(" ", 1)[0]
+    return TF32_FLOOR if head == "tf32" else WEIGHT_FLOORS.get(head, WEIGHT_FLOORS["8-bit"])
+
+
+def path_limit(path: str, k: float) -> float:
+    """A node's limit on its path: k x the FP32 floor on an FP32 path, else 4x the path's floor."""
+    return k * FP32_FLOOR if path.startswith("fp32") else 4 * path_floor(path)
 # Two float32 implementations of one op on the same row differ by their order of sums and their exp: a few times at
 # most on rows of thousands of values (the rel. L2 averages each value's rounding). Past this multiple of the
 # independent float32 recompute's error, a row's error is the node's own fault.
@@ -149,7 +168,13 @@ def path_of(node) -> str:
     """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32; on CUDA
     an f32 MUL_MAT of <= 3 columns runs the FP32 vector kernel, 4..16 columns the TF32 mmf tile kernel, more cuBLAS
     on a TF32 handle (FP32 when NVIDIA_TF32_OVERRIDE=0 was set as CUDA started: --fp32-everywhere; measured on the
-    H200, 2.8B shape: local errors of every cuBLAS node within the FP32 floor, 3e-4 without it)."""
+    H200, 2.8B shape: local errors of every cuBLAS node within the FP32 floor, 3e-4 without it). A MUL_MAT of weights
+    narrower than float32 rounds its activations to their family on either backend (WEIGHT_FLOORS)."""
+    wt = node.extra.get("src0_type", 0) if node.op == "MUL_MAT" else 0
+    if wt:
+        name = WEIGHT_TYPES.get(wt, f"type {wt}")
+        family = name if name in WEIGHT_FLOORS else "8-bit"
+        return f"{family} weights ({name}; activations rounded to {family})"
     if not node.backend.startswith("CUDA") or node.backend == "CUDA_Host" or node.op != "MUL_MAT":
         return "fp32"
     cols = node.ne[1]
@@ -217,15 +242,16 @@ class LocalErrors:
                 self.explained[key] = {**where, "fp32_recompute": oracle_err}
             return
         if self.first is None and err > self.k * FP32_FLOOR:
-            self.first = {**where, "threshold": self.k * FP32_FLOOR, "index": node.index}
-        limit = self.k * FP32_FLOOR if path.startswith("fp32") else TF32_LIMIT
+            self.first = {**where, "threshold": self.k * FP32_FLOOR, "limit": path_limit(path, self.k),
+                          "index": node.index}
+        limit = path_limit(path, self.k)
         if err > limit:
             if self.fault is None:
                 self.fault = {**where, "threshold": limit}
         elif err > self.k * FP32_FLOOR:
             old = self.excused.get((key, path))
             if old is None or err > old["error"]:
-                self.excused[(key, path)] = {**where, "floor": TF32_FLOOR, "limit": limit, "index": node.index}
+                self.excused[(key, path)] = {**where, "floor": path_floor(path), "limit": limit, "index": node.index}
 
     def _keep_rows(self, node, path: str, err, rows, oracle, u: int, first_seq: int):
         """Keep what at_token reads: per node of the ubatch its per-token errors (S, T) and, where a row passed the

@@ -137,6 +137,22 @@ def host_array(node: Node) -> np.ndarray:
     return np.ndarray(shape=node.ne[::-1], dtype=DTYPES[node.type], buffer=raw, strides=node.nb[::-1])
 
 
+def read_dequantized(lib, node: Node) -> Optional[np.ndarray]:
+    """A weight stored narrower than float32 in a type read_data does not read (bf16, the quantized types) as its
+    float32 values, in read_data's layout (gguf-py's dequantizers, llama.cpp's formats); None where it cannot be."""
+    rows = node.ne[1] * node.ne[2] * node.ne[3]
+    if node.nb[2] != node.nb[1] * node.ne[1] or node.nb[3] != node.nb[2] * node.ne[2]:
+        return None                                 # a weight is one contiguous run of rows
+    try:
+        from gguf import GGMLQuantizationType  # noqa: PLC0415
+        from gguf.quants import dequantize  # noqa: PLC0415
+        buf = np.empty(rows * node.nb[1], dtype=np.uint8)
+        lib.ggml_backend_tensor_get(node.addr, buf.ctypes.data, 0, buf.size)
+        return dequantize(buf.reshape(rows, node.nb[1]), GGMLQuantizationType(node.type)).reshape(node.ne[::-1])
+    except (ImportError, ValueError, NotImplementedError):
+        return None
+
+
 def model_input(node: Node) -> bool:
     """The embedding lookup (by the weight it reads, whatever its name) and what llama.cpp names the layers' input,
     "embd" (the lookup itself in Mamba's graph; in Granite's, the SCALE by the embedding multiplier after it):

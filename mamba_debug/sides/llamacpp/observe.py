@@ -35,7 +35,7 @@ import numpy as np
 from . import defer, recall
 from .lib import GgmlTensor
 from .local import OPS as LOCAL_OPS
-from .nodes import DTYPES, HEAD_NAMES, GraphMap, host_array, model_input, read_data, read_node
+from .nodes import DTYPES, HEAD_NAMES, GraphMap, host_array, model_input, read_data, read_dequantized, read_node
 
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
@@ -108,6 +108,7 @@ class Tracer:
         self.tracing, self.error, self.graphs, self.cur = False, None, [], None
         self.local = self.fault = None
         self.weights: dict = {}         # --local: weights as float64, read once
+        self.weight_types: dict = {}    # --local: a weight's ggml type, by address (a MUL_MAT's arithmetic path)
         self.recall_key = None if model is None else \
             (str(lib.path), lib.version, lib.commit, model, tuple(kinds), observed)
         self._reset_trie()
@@ -132,7 +133,7 @@ class Tracer:
         """Drop all but the trie and its buffers: its context is kept for the next run (contexts.py). What recall.py
         remembers goes to disk if it grew (the next process recalls its first graphs)."""
         recall.persist(self.recall_key)
-        self.weights = {}
+        self.weights, self.weight_types = {}, {}
         self.tracing, self.local, self.fault, self.cur, self.gm = False, None, None, None, None
         self.graphs, self.names, self.data, self.at, self.checked, self.bufs = [], {}, {}, None, set(), {}
 
@@ -402,6 +403,8 @@ class Tracer:
         if node.op in LOCAL_OPS and (node.layer is not None or node.extra.get("head")) or model_input(node) \
                 or node.name in HEAD_NAMES:
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
+            if node.op == "MUL_MAT" and node.src:       # its weights' type picks its path (local.path_of)
+                node.extra["src0_type"] = self.weight_types.get(node.src[0], 0)
             self.local.add(node, srcs, data, self.u, self.first_seq)
         elif node.site:                 # a compared view (B, C): where a divergence there sits in the graph
             self.local.place(node, self.u, self.first_seq)
@@ -413,8 +416,14 @@ class Tracer:
         if addr in self.weights:
             return self.weights[addr]
         leaf = read_node(self.lib, addr, -1)
+        weight = leaf.name.startswith(("blk.", "token_embd", "output"))
+        if weight:
+            self.weight_types[addr] = leaf.type
         if leaf.type not in DTYPES:
-            return None
+            data = read_dequantized(self.lib, leaf) if weight else None     # bf16, quantized: their values
+            if data is not None:
+                data = self.weights[addr] = data.astype(np.float64)
+            return data
         data = None
         if leaf.name.count("#") >= 2:
             seen = g.get("all", {})
@@ -428,7 +437,7 @@ class Tracer:
                     return None     # its memory holds something else by now: no local error for the consumer
                 return data
         data = read_data(self.lib, leaf) if data is None else data
-        if leaf.name.startswith(("blk.", "token_embd", "output")):
+        if weight:
             data = self.weights[addr] = data.astype(np.float64)    # converted once: read by every ubatch
         return data
 

@@ -4,7 +4,8 @@ On CUDA, f32 matmuls of 4 or more columns run in TF32 (the mmf tile kernel, cuBL
 then drifts past k x the float32 floor from the first such matmul on, and every later site inherits it. Propagated
 error cannot tell that from a fault, so when a run used a reduced-precision path the verdict reads each node's
 *local* error (its op recomputed in float64 from the inputs it really read, local.py):
-- some node past its own path's limit (FP32 nodes: k x the FP32 floor, as on the CPU; TF32 nodes: TF32_LIMIT) ->
+- some node past its own path's limit (FP32 nodes: k x the FP32 floor, as on the CPU; TF32 nodes: TF32_LIMIT; the
+  matmuls of a GGUF's f16, bf16 or quantized weights, on either backend: 4x their family's floor, local.py) ->
   the first divergence is that node;
 - none -> `first_divergence` None (exit 0) and a `precision` list: the reduced-precision nodes whose error the FP32
   threshold would not excuse, with their path, error and floor, and the switch that removes each where one exists.
@@ -26,9 +27,17 @@ from .local import ORACLE_MARGIN
 # in the run, a divergence is never called rounding.
 DRIFT_LIMIT = 10.0
 
-SWITCHES = {"cuBLAS": "NVIDIA_TF32_OVERRIDE=0 (or --fp32-everywhere) makes cuBLAS FP32",
-            "mmf": "no switch: the mmf tile kernel's TF32 MMA is inline PTX; -ub / sequences <= 3 tokens each "
-                   "avoid it (the FP32 vector kernel runs instead)"}
+SWITCHES = {"TF32 in cuBLAS": "NVIDIA_TF32_OVERRIDE=0 (or --fp32-everywhere) makes cuBLAS FP32",
+            "TF32 in mmf": "no switch: the mmf tile kernel's TF32 MMA is inline PTX; -ub / sequences <= 3 tokens each "
+                           "avoid it (the FP32 vector kernel runs instead)",
+            "weights": "an f32 GGUF (mamba-debug export-gguf --dtype f32) keeps the matmuls' activations in float32"}
+
+
+def _family(path: str) -> str:
+    """A reduced-precision path's family as the verdict names it: TF32 in cuBLAS or mmf, or the weights' type."""
+    if path.startswith("tf32"):
+        return "TF32 in mmf" if "mmf" in path else "TF32 in cuBLAS"
+    return path.split(" (", 1)[0]
 
 
 def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
@@ -42,13 +51,13 @@ def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
     if fd is None or not excused:
         return fd, None
     items = sorted(excused.values(), key=lambda r: (r["first_seq"], r["ubatch"], r["index"]))
-    paths = sorted({("mmf" if "mmf" in r["path"] else "cuBLAS") for r in items})
+    paths = sorted({_family(r["path"]) for r in items})
     first = items[0]
     where = "the output head" if first["layer"] is None else f"layer {first['layer']}"
     return None, {
-        "text": f"precision: TF32 in {'/'.join(paths)} from {where} ({first['site']}); {len(items)} reduced-"
+        "text": f"precision: {' and '.join(paths)} from {where} ({first['site']}); {len(items)} reduced-"
                 f"precision node(s), each within its path's floor; no node past its own limit",
-        "drift_from": fd, "switches": [SWITCHES[p] for p in paths],
+        "drift_from": fd, "switches": sorted({SWITCHES[p if p.startswith("TF32") else "weights"] for p in paths}),
         "items": [{"layer": r["layer"], "site": r["site"], "node": r["name"], "op": r["op"], "path": r["path"],
                    "error": r["error"], "floor": r["floor"], "limit": r["limit"], "ubatch": r["ubatch"]}
                   for r in items]}

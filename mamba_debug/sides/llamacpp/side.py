@@ -19,7 +19,7 @@ from ...errors import MambaDebugError
 from ...settings import RunSettings
 from ...trace import SideInfo
 from ..base import StepOutput
-from .gguf_file import gguf_for, model_key
+from .gguf_file import gguf_for, matmul_weights_narrower, model_key
 from .lib import LogCallback, load_library
 from . import contexts
 from .observe import Tracer, graph_nodes
@@ -74,6 +74,7 @@ class LlamaCppSide:
         if n_layer != self.cfg.n_layer:
             raise MambaDebugError(f"{self.gguf}: llama.cpp reads {n_layer} layers, the reference {self.cfg.n_layer}")
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.lmodel))
+        self.reduced_weights = matmul_weights_narrower(self.gguf)
         self.ctx = self.mem = None
         self.n_tokens = 0
         self.info = SideInfo("device", self._label(), None, self.s.device, "llama.cpp",
@@ -250,7 +251,7 @@ class LlamaCppSide:
             return fd, None
         partial = None
         try:
-            if not _replay_whole(self.s):
+            if not _replay_whole(self.s, self.reduced_weights):
                 if not self._replay_local(fd):      # another run's local errors would not explain this one
                     return fd, None
                 out = refine(res, fd, self.local)
@@ -407,10 +408,11 @@ class LlamaCppSide:
         return out
 
 
-def _replay_whole(s) -> bool:
-    """Whether a divergence is replayed over the whole schedule (CUDA: the precision verdict needs every ubatch's
-    local errors) or up to its own ubatch (CPU: every node FP32, the replay only names the node where it is born)."""
-    return s.device == "cuda"
+def _replay_whole(s, reduced_weights: bool) -> bool:
+    """Whether a divergence is replayed over the whole schedule (CUDA, or weights narrower than float32: the
+    precision verdict needs every ubatch's local errors) or up to its own ubatch (a CPU build with f32 weights: every
+    node FP32, the replay only names the node where it is born)."""
+    return s.device == "cuda" or reduced_weights
 
 
 def _local_device(s) -> Optional[str]:
