@@ -51,6 +51,14 @@ def test_paths():
     assert path_of(node("MUL_MAT", "CUDA0", 2, 0, "xz", 1)).startswith("fp32 (mmvf)")
     assert path_of(node("MUL_MAT", "CUDA0", 8, 0, "xz", 1)).startswith("tf32 (mmf")
     assert path_of(node("MUL_MAT", "CUDA0", 512, 0, "xz", 1)).startswith("tf32 (cuBLAS")
+    # weights narrower than float32 pick the path on either backend: their activations are rounded to that family
+    from mamba_debug.sides.llamacpp.local import path_limit
+    assert path_of(node("MUL_MAT", "CPU", 512, 0, "xz", 1), 1).startswith("f16 weights (f16;")
+    assert path_of(node("MUL_MAT", "CUDA0", 512, 0, "xz", 1), 30).startswith("bf16 weights")
+    assert path_of(node("MUL_MAT", "CPU", 512, 0, "xz", 1), 8).startswith("8-bit weights (q8_0;")
+    assert path_of(node("MUL_MAT", "CPU", 512, 0, "xz", 1), 12).startswith("8-bit weights (q4_K;")
+    assert path_of(node("SILU", "CPU", 512, 0, "conv_act", 1), 1) == "fp32"
+    assert path_limit("f16 weights (f16; ...)", 10) == 4 * 2.0 ** -11 and path_limit("fp32", 10) == 1e-5
 
 
 def test_cublas_is_fp32_when_the_override_was_set_as_cuda_started(monkeypatch):

@@ -44,6 +44,8 @@ def test_narrow_weights_read_as_precision_not_a_fault(gguf, dtype, family):
     items = res.precision["items"]
     assert items and all(i["op"] == "MUL_MAT" and i["error"] <= i["limit"] / 4 for i in items)   # within its floor
     assert any("export-gguf --dtype f32" in s for s in res.precision["switches"])
+    paths = {n["path"] for n in res.sides["device"].extra["nodes"] if n["op"] == "MUL_MAT"}
+    assert any(p.startswith(family) for p in paths), paths          # the JSON's node list says so too
 
 
 def test_a_fault_in_a_quantized_models_matmul_is_still_found_at_its_node(gguf):

@@ -164,13 +164,14 @@ def _fits(device, nbytes: int) -> bool:
 CUBLAS_FP32: dict = {"at_init": None}
 
 
-def path_of(node) -> str:
+def path_of(node, weights: int = 0) -> str:
     """The arithmetic path a node ran on (research/llamacpp-tracing.md section 4): every CPU node is FP32; on CUDA
     an f32 MUL_MAT of <= 3 columns runs the FP32 vector kernel, 4..16 columns the TF32 mmf tile kernel, more cuBLAS
     on a TF32 handle (FP32 when NVIDIA_TF32_OVERRIDE=0 was set as CUDA started: --fp32-everywhere; measured on the
     H200, 2.8B shape: local errors of every cuBLAS node within the FP32 floor, 3e-4 without it). A MUL_MAT of weights
-    narrower than float32 rounds its activations to their family on either backend (WEIGHT_FLOORS)."""
-    wt = node.extra.get("src0_type", 0) if node.op == "MUL_MAT" else 0
+    narrower than float32 rounds its activations to their family on either backend (WEIGHT_FLOORS): `weights` is its
+    first source's ggml type when that is one of the model's weights (nodes.weight_type), else 0."""
+    wt = weights if node.op == "MUL_MAT" else 0
     if wt:
         name = WEIGHT_TYPES.get(wt, f"type {wt}")
         family = name if name in WEIGHT_FLOORS else "8-bit"
@@ -218,8 +219,9 @@ class LocalErrors:
         """Note where a node sits in its graph (a divergence at a view, B or C, is bounded by it in at_token)."""
         self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
 
-    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0):
-        path = path_of(node)
+    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0, weights: int = 0):
+        """One observed node: its local error on its path (weights: its weights' ggml type, path_of)."""
+        path = path_of(node, weights)
         self.reduced |= not path.startswith("fp32")
         self.place(node, u, first_seq)
         if node.op not in OPS:

@@ -137,6 +137,16 @@ def host_array(node: Node) -> np.ndarray:
     return np.ndarray(shape=node.ne[::-1], dtype=DTYPES[node.type], buffer=raw, strides=node.nb[::-1])
 
 
+WEIGHT_PREFIXES = ("blk.", "token_embd", "output")
+
+
+def weight_type(lib, addr: int) -> int:
+    """The ggml type of the tensor at addr when it is one of the model's weights, else 0 (F32: a matmul of two
+    activations); what picks a MUL_MAT's arithmetic path (local.path_of)."""
+    leaf = read_node(lib, addr, -1)
+    return leaf.type if leaf.name.startswith(WEIGHT_PREFIXES) else 0
+
+
 def read_dequantized(lib, node: Node) -> Optional[np.ndarray]:
     """A weight stored narrower than float32 in a type read_data does not read (bf16, the quantized types) as its
     float32 values, in read_data's layout (gguf-py's dequantizers, llama.cpp's formats); None where it cannot be."""

@@ -35,7 +35,8 @@ import numpy as np
 from . import defer, recall
 from .lib import GgmlTensor
 from .local import OPS as LOCAL_OPS
-from .nodes import DTYPES, HEAD_NAMES, GraphMap, host_array, model_input, read_data, read_dequantized, read_node
+from .nodes import (DTYPES, HEAD_NAMES, WEIGHT_PREFIXES, GraphMap, host_array, model_input, read_data,
+                    read_dequantized, read_node)
 
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
@@ -403,9 +404,8 @@ class Tracer:
         if node.op in LOCAL_OPS and (node.layer is not None or node.extra.get("head")) or model_input(node) \
                 or node.name in HEAD_NAMES:
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
-            if node.op == "MUL_MAT" and node.src:       # its weights' type picks its path (local.path_of)
-                node.extra["src0_type"] = self.weight_types.get(node.src[0], 0)
-            self.local.add(node, srcs, data, self.u, self.first_seq)
+            weights = self.weight_types.get(node.src[0], 0) if node.src else 0     # picks a MUL_MAT's path
+            self.local.add(node, srcs, data, self.u, self.first_seq, weights)
         elif node.site:                 # a compared view (B, C): where a divergence there sits in the graph
             self.local.place(node, self.u, self.first_seq)
 
@@ -416,7 +416,7 @@ class Tracer:
         if addr in self.weights:
             return self.weights[addr]
         leaf = read_node(self.lib, addr, -1)
-        weight = leaf.name.startswith(("blk.", "token_embd", "output"))
+        weight = leaf.name.startswith(WEIGHT_PREFIXES)
         if weight:
             self.weight_types[addr] = leaf.type
         if leaf.type not in DTYPES:

@@ -28,7 +28,7 @@ from .local import CUBLAS_FP32, LocalErrors, path_of
 from .precision import judge, refine, rounding_at_its_token, settle
 from .maps import LAYER_SITES as OTHER_SITES
 from .maps import NOT_OBSERVED, layer_kinds
-from .nodes import HEAD_SITES, LAYER_SITES
+from .nodes import HEAD_SITES, LAYER_SITES, weight_type
 
 # Tests inject faults here: fn(node, array, ubatch_index, first_seq) is called in the observe call of every node that
 # is not empty, before it is read; `array` is a writable view of the node's own memory (CPU build), so later nodes
@@ -191,8 +191,8 @@ class LlamaCppSide:
         self._check_schedule(g, tokens)
         if self.u == 0 and self.first_seq == 0:
             self.info.extra["nodes"] = [{"index": n.index, "layer": n.layer, "site": n.site, "op": n.op,
-                                         "name": n.name, "backend": n.backend, "path": path_of(n), "ne": list(n.ne)}
-                                        for n in graph_nodes(g, sited=True)]
+                                         "name": n.name, "backend": n.backend, "path": path_of(n, self._weights(n)),
+                                         "ne": list(n.ne)} for n in graph_nodes(g, sited=True)]
             if self.s.devices:      # which backend buffer each block's (and the head's) nodes were read from
                 self.info.extra["layer_backends"] = layer_backends(self.info.extra["nodes"])
         self._history.append((self.first_seq, tokens, logits, time.perf_counter() - t0))
@@ -203,6 +203,10 @@ class LlamaCppSide:
                                   f"expects for [T, S] = [{tokens.shape[1]}, {tokens.shape[0]}] ({exc}); is this "
                                   f"a {'/'.join(sorted(set(self.kinds)))} graph of llama.cpp 0c1e570?") from exc
         return StepOutput(logits, sites)
+
+    def _weights(self, node) -> int:
+        """A MUL_MAT's weights' ggml type (its arithmetic path, local.path_of); 0 for any other node."""
+        return weight_type(self.lib, node.src[0]) if node.op == "MUL_MAT" and node.src else 0
 
     def reference_sites(self, sites: dict, tokens: torch.Tensor) -> dict:
         """What this side's op-named nodes should hold, from a reference side's sites of the same ubatch."""
