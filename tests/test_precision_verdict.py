@@ -58,7 +58,7 @@ def test_paths():
     assert path_of(node("MUL_MAT", "CPU", 512, 0, "xz", 1), 8).startswith("8-bit weights (q8_0;")
     assert path_of(node("MUL_MAT", "CPU", 512, 0, "xz", 1), 12).startswith("8-bit weights (q4_K;")
     assert path_of(node("SILU", "CPU", 512, 0, "conv_act", 1), 1) == "fp32"
-    assert path_limit("f16 weights (f16; ...)", 10) == 4 * 2.0 ** -11 and path_limit("fp32", 10) == 1e-5
+    assert path_limit("f16 weights (f16; ...)", 10) == 4 * 2.0 ** -11 and path_limit("fp32", 10) == pytest.approx(1e-5)
 
 
 def test_cublas_is_fp32_when_the_override_was_set_as_cuda_started(monkeypatch):
