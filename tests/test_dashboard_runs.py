@@ -144,3 +144,18 @@ def test_with_several_sequences_each_ubatch_up_to_all_their_prompt_tokens_is_its
     assert f"ubatch {P}<br>" in dash.w_status.value
     dash.set(ubatch=1000)                                    # past the top: the whole prompt's run again
     assert dash.result is whole and dash.timings["source"] == "cache"
+
+
+def test_weights_edited_between_two_updates_are_run_again_not_served_from_the_cache():
+    """The dashboard keyed its runs by settings alone: after `params[k] *= 3` a refresh showed the old run."""
+    pytest.importorskip("ipywidgets", reason="the dashboard needs ipywidgets (requirements-lab.txt)")
+    from mamba_debug.compare import run_compare
+    from mamba_debug.dashboard import Dashboard
+
+    model = random_model()
+    dash = Dashboard(model, IDS, kernels="torch", device="cpu", n_gen=1, offload=2, ubatch=4)
+    before = dash.result
+    model.params["layers.1.D"] *= 3
+    dash.refresh()
+    assert dash.result is not before and dash.timings["source"] == "run"
+    assert dash.result.perplexity == run_compare(model, IDS, dash.state.run).perplexity != before.perplexity

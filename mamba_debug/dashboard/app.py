@@ -280,6 +280,12 @@ class Dashboard(SweepPanel):
     def _update(self, force: bool = False):
         """The one update path: diff the widgets' state with what is on screen and do the least work."""
         self.controls.show_engine(self.w_engine.value)
+        if self.cache.follow(self.model):       # weights edited since the cached runs: none of them holds
+            self._pngs.clear()
+            self._failed.clear()
+            self._sweep_cells.clear()
+            self._rebuild_sweep()
+            force = True
         new = self._read_state()
         old = self.state
         t0 = time.perf_counter()

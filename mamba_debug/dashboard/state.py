@@ -131,6 +131,18 @@ class RunCache:
         self.max_runs = max_runs
         self.runs: OrderedDict = OrderedDict()
         self.ref: dict = {}
+        self.state = None           # the model's weights the runs were made with (Model.params_state)
+
+    def follow(self, model) -> bool:
+        """Forget every run (and the shared reference) when the model's weights changed since they were made (an edit
+        between two updates was answered from the cache); True when it did."""
+        state, changed = model.params_state(), False
+        if self.state is not None and state != self.state and (self.runs or self.ref):
+            self.runs.clear()
+            self.ref.clear()
+            changed = True
+        self.state = state
+        return changed
 
     @staticmethod
     def key(prompt_ids, settings: RunSettings) -> tuple:
