@@ -252,8 +252,9 @@ class LocalErrors:
                 self.fault = {**where, "threshold": limit}
         elif err > self.k * FP32_FLOOR:
             old = self.excused.get((key, path))
-            if old is None or err > old["error"]:
-                self.excused[(key, path)] = {**where, "floor": path_floor(path), "limit": limit, "index": node.index}
+            if old is None or err > old["error"]:       # its worst error, where the node first passed the floor
+                self.excused[(key, path)] = {**where, "floor": path_floor(path), "limit": limit, "index": node.index,
+                                             "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
 
     def _keep_rows(self, node, path: str, err, rows, oracle, u: int, first_seq: int):
         """Keep what at_token reads: per node of the ubatch its per-token errors (S, T) and, where a row passed the

@@ -50,7 +50,7 @@ def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
         return _at_node(res, fault), None
     if fd is None or not excused:
         return fd, None
-    items = sorted(excused.values(), key=lambda r: (r["first_seq"], r["ubatch"], r["index"]))
+    items = sorted(excused.values(), key=lambda r: r.get("first_seen", (r["first_seq"], r["ubatch"], r["index"])))
     paths = sorted({_family(r["path"]) for r in items})
     first = items[0]
     where = "the output head" if first["layer"] is None else f"layer {first['layer']}"
