@@ -38,10 +38,9 @@ def check_float32_range(res) -> None:
     logits = res.floor.get((None, "logits"))
     if logits is None or not float(logits.nan_to_num(0).max()) > FLOAT32_LIMIT:
         return
-    first = min(((int(torch.nonzero((f.nan_to_num(0) > FLOAT32_LIMIT).any(0))[0]), i), key)
-                for i, (key, f) in enumerate((k, res.floor[k]) for k in res.site_order() if k in res.floor)
-                if (f.nan_to_num(0) > FLOAT32_LIMIT).any())
-    (token, _), (layer, site) = first
+    over = {k: (res.floor[k].nan_to_num(0) > FLOAT32_LIMIT).any(0) for k in res.site_order() if k in res.floor}
+    token = min(int(torch.nonzero(o)[0]) for o in over.values() if o.any())     # the earliest token, then
+    layer, site = next(k for k, o in over.items() if o[token])                    # the first site in graph order
     where = "the output head" if layer is None else f"layer {layer}"
     value = float(res.floor[(layer, site)][:, token].nan_to_num(0).max())
     raise OutOfFloat32Range(
