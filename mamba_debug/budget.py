@@ -162,6 +162,11 @@ def _available_host_bytes() -> float:
     return math.inf
 
 
+def available_host_bytes() -> float:
+    """The host memory available now (MemAvailable; inf where /proc/meminfo is not there)."""
+    return _available_host_bytes()
+
+
 def give_back_freed_heap() -> None:
     """Hand the pages of freed blocks that glibc keeps back to the system (`malloc_trim`), else a process holds them
     after a run and the next run's host check (MemAvailable) counts them as used: a 16-layer d_model 512 comparison on

@@ -24,11 +24,13 @@ from .arch import model_ops
 from .backends import cpu_backend, cpu_threads_for, device_backends, reference_backend
 from .budget import check_budget, check_gpu_memory, check_host_memory, give_back_freed_heap
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
+from .errors import MambaDebugError
 from .gc_scope import young_only
 from .model import Model, Runner, check_tokens, prompt_list, require_model
 from .settings import K_FLOOR, RunSettings, as_settings, resolve_ref_device
 from .settings import CAPTURE_POLICIES, CompareSettings  # noqa: F401 (importable from here, as before)
 from .accumulate import Accumulator, merge_groups
+from . import second_opinion
 from .refcheck import check_float32_range, check_reference
 from .sides.base import SharedReference
 from .sides.torch_side import TorchSide
@@ -77,13 +79,17 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
             del sides
             if ref_cache is None:       # not a sweep's cell (a sweep keeps its reference sides for the next)
                 give_back_freed_heap()
+        t1 = time.perf_counter()
+        if second_opinion.take(res, lambda seed: _nudged_floors(model, seed, s, tokens, res.tokens, ref_cache)):
+            res.timings["second_opinion_s"] = time.perf_counter() - t1
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
 
 
 def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, placement, groups: list, shared,
-               progress) -> CompareResult:
-    """The comparison itself: every group of sequences through every side in lock step, then the verdict."""
+               progress, forced: Optional[torch.Tensor] = None) -> CompareResult:
+    """The comparison itself: every group of sequences through every side in lock step, then the verdict.
+    forced: [S, P + G] tokens to generate instead of the reference's choices (a second opinion's runs)."""
     cfg, dev = model.config, sides["device"]
     layer_sites = dev.layer_sites() if hasattr(dev, "layer_sites") else [lt.sites for lt in dev.runner.layer_types]
     res = CompareResult(settings=s, model_info={"source": model.source, **cfg.to_dict(),
@@ -98,7 +104,8 @@ def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, 
             if i:                               # the reference cache of a sweep is kept per group of sequences
                 sides["ref32"].shared = sides["ref64"].shared = shared(a, b)
             part = res if len(groups) == 1 else dataclasses.replace(res, tokens=tokens[a:b], token_info=[])
-            _Loop(model, s, sides, first_seq=a).run(tokens[a:b], part, progress)
+            _Loop(model, s, sides, first_seq=a, forced=None if forced is None else forced[a:b]).run(
+                tokens[a:b], part, progress)
             parts.append(part)
         if len(parts) > 1:
             merge_groups(res, parts)
@@ -112,6 +119,36 @@ def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, 
         res.first_divergence, res.precision = judge(res)
         res.judged = True
     return res
+
+
+def _nudged_floors(model: Model, seed: int, s: RunSettings, prompts: torch.Tensor, fed: torch.Tensor,
+                   ref_cache: Optional[dict]) -> dict:
+    """The floors of a second opinion's sample (second_opinion.py): the references of the model nudged by `seed`
+    over the run's prompts, schedule and generated tokens (`fed`), no device layers, metrics only. A sweep keeps
+    them beside its shared reference runs (they depend on nothing else)."""
+    cache = _cache_for(ref_cache, model, prompts, s)
+    kept = None if cache is None else cache.setdefault("nudged_floors", {})
+    if kept is not None and seed in kept:
+        return kept[seed]
+    ns = s.replace(offload=0, capture="metrics", local=False, repeat=1).validated(model.config)
+    ref_device = resolve_ref_device(ns.ref_device)
+    on_gpu = ref_device if ref_device.type == "cuda" else None
+    if on_gpu:      # the device side's weights make room for the nudged ones (made from the references' copy)
+        model.release_casts(keep=on_gpu)
+    placement = ns.placement(model.config.n_layer)
+    try:
+        nudged = second_opinion.nudged(model, seed, on_gpu)
+        sides = build_sides(nudged, ns, placement, ref_device, SharedReference(None))
+        try:
+            res = _run_sides(nudged, ns, sides, prompts, placement, ns.seq_groups(prompts.shape[0]),
+                             lambda a, b: SharedReference(None), None, forced=fed)
+        finally:
+            del sides
+    except torch.cuda.OutOfMemoryError as exc:
+        raise MambaDebugError(f"a nudged run did not fit on the GPU ({str(exc).splitlines()[0]})") from None
+    if kept is not None:
+        kept[seed] = res.floor
+    return res.floor
 
 
 def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.device, shared: SharedReference) -> dict:
@@ -151,8 +188,9 @@ def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.devic
 class _Loop:
     """The lock-step loop over ubatches, the device's fork for its own generation, and the generations."""
 
-    def __init__(self, model: Model, s: RunSettings, sides: dict, first_seq: int = 0):
-        self.model, self.s, self.sides, self.first_seq = model, s, sides, first_seq
+    def __init__(self, model: Model, s: RunSettings, sides: dict, first_seq: int = 0,
+                 forced: Optional[torch.Tensor] = None):
+        self.model, self.s, self.sides, self.first_seq, self.forced = model, s, sides, first_seq, forced
         self.ref = sides["ref64" if s.reference_is_float64 else "ref32"]
         self.dev = sides["device"]
         self.shared = sides["ref32"].shared
@@ -177,7 +215,10 @@ class _Loop:
             ref_logits, dev_logits = self._step(u, chunk, acc)
             fed.append(chunk)
             pos += T
-            nxt = ref_logits[:, -1].argmax(-1).cpu()      # the schedule's tokens stay on the CPU
+            if self.forced is None or pos >= self.forced.shape[1]:
+                nxt = ref_logits[:, -1].argmax(-1).cpu()    # the schedule's tokens stay on the CPU
+            else:
+                nxt = self.forced[:, pos]                   # a second opinion's run: the first run's tokens
             g = u - (len(schedule) - 1)                     # index of the generated token chosen after this ubatch
             if 0 <= g < self.s.n_gen and self.fork is None and self.s.free_run:
                 self._maybe_fork(g, nxt, dev_logits[:, -1].argmax(-1).cpu())

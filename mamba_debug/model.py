@@ -63,6 +63,18 @@ class Model:
             self._cast.clear()
             self._cast_state = state
 
+    def release_casts(self, keep: Optional[torch.device] = None):
+        """Drop the back-ends' cached copies of the weights (room on a GPU for another model's run), all but the float32
+        references' copy on `keep` when given; the next run casts again what went."""
+        kept = {k: v for k, v in self._cast.items() if keep is not None and k == ("narrowed", str(keep))}
+        self._cast.clear()
+        self._cast.update(kept)
+
+    def float32_on(self, device: torch.device) -> tuple:
+        """(the float32 references' copy of every master on `device`, the names of the masters that are not float32
+        values), as the references' runs use and keep it (`_narrowed`)."""
+        return self._narrowed(device)
+
     def weights(self, backend: Backend) -> dict:
         """Parameters in the back-end's dtype on its device (widened here when they are stored narrow)."""
         w, widen = self.stored_weights(backend)

@@ -86,6 +86,7 @@ class CompareResult:
     precision: Optional[dict] = None               # llama.cpp on reduced-precision paths: the excess they explain
     judged: bool = False                           # first_divergence set by the side's own verdict, not recomputable
     seq_token_info: Optional[list] = None          # per sequence, when groups of sequences ran other ubatches
+    second_opinion: Optional[dict] = None          # a borderline first divergence re-judged (second_opinion.py)
 
     @property
     def n_layer(self) -> int:
@@ -227,7 +228,8 @@ def save_trace(res: CompareResult, path) -> Path:
             **({"judged": {"first_divergence": res.first_divergence, "precision": res.precision}} if res.judged
                else {}),
             **({"seq_token_info": [[t.__dict__ for t in row] for row in res.seq_token_info]}
-               if res.seq_token_info else {})}
+               if res.seq_token_info else {}),
+            **({"second_opinion": res.second_opinion} if res.second_opinion else {})}
     from .safeio import atomic_path  # noqa: PLC0415
     path = Path(path)
     header = {"format": TRACE_FORMAT, "version": str(TRACE_VERSION), "result": json.dumps(meta, default=str)}
@@ -276,7 +278,7 @@ def _settings(fields, path) -> RunSettings:
 
 
 def _from_file(meta, tensors: dict, path) -> CompareResult:
-    from .trace_checks import check_judged, check_meta, check_result  # noqa: PLC0415
+    from .trace_checks import check_judged, check_meta, check_result, check_second_opinion  # noqa: PLC0415
     check_meta(meta, tensors, path)
     res = CompareResult(settings=_settings(meta["settings"], path), model_info=meta["model_info"],
                         placement=Placement(*meta["placement"]),
@@ -304,6 +306,8 @@ def _from_file(meta, tensors: dict, path) -> CompareResult:
     res.perplexity, res.timings = meta["perplexity"], meta["timings"]
     if "seq_token_info" in meta:        # before the first divergence, which reads its sequence's schedule
         res.seq_token_info = [[TokenInfo(**t) for t in row] for row in meta["seq_token_info"]]
+    res.second_opinion = meta.get("second_opinion")
+    check_second_opinion(res.second_opinion, path)
     check_result(res, path)
     res.first_divergence = find_first_divergence(res)
     if "judged" in meta:                # a side's own verdict (llama.cpp's precision-aware one) is kept as given

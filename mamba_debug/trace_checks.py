@@ -11,7 +11,7 @@ from .errors import MambaDebugError
 
 META_KEYS = {"settings", "model_info", "sides", "layer_sites", "observed", "placement", "n_prompt", "token_info",
              "thresholds", "trace_tokens", "nondeterminism", "generations", "perplexity", "timings"}
-OPTIONAL_META = {"judged", "seq_token_info"}
+OPTIONAL_META = {"judged", "seq_token_info", "second_opinion"}
 TENSOR_KINDS = {"tokens", "err", "floor", "logits", "trace", "local"}
 
 
@@ -102,3 +102,14 @@ def check_judged(judged, path) -> None:
                  and isinstance(prec.get("text"), str))):
         raise MambaDebugError(f"{path}: inconsistent trace file (its judged verdict is not "
                               f"{{first_divergence, precision}} as written); re-run the comparison to get a new trace")
+
+
+def check_second_opinion(so, path) -> None:
+    """A second opinion kept in the trace: null, or an object with the first answer (a divergence's keys), whether
+    it was taken, and the samples it took or why not (what the summary reads)."""
+    fd = so.get("first_divergence_before") if isinstance(so, dict) else None
+    if so is None or (isinstance(fd, dict) and DIVERGENCE_KEYS <= set(fd) and isinstance(so.get("taken"), bool)
+                      and (isinstance(so.get("samples"), int) if so["taken"] else isinstance(so.get("why"), str))):
+        return
+    raise MambaDebugError(f"{path}: inconsistent trace file (its second opinion is not as written); re-run the "
+                          f"comparison to get a new trace")

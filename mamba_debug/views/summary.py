@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from .. import second_opinion
 from ..arch import MODEL_SITES
 from ..trace import (RESULT_VERSION, TRACE_FORMAT, CompareResult, json_num, json_safe, nanmax, require_result,
                      worst_excess)
@@ -98,6 +99,7 @@ def to_json(res: CompareResult) -> dict:
         **({"precision": res.precision["items"] if res.precision else [],
             "precision_summary": {k: v for k, v in res.precision.items() if k != "items"} if res.precision else None}
            if res.judged else {}),
+        **({"second_opinion": json_safe(res.second_opinion)} if res.second_opinion else {}),
         "verdict": verdict(res),
         "logits": {"kld_mean": json_num(lg["kld"].mean()), "kld_max": json_num(lg["kld"].max()),
                    "top1_agreement": json_num(lg["top1"].mean()), "rms_dp_mean": json_num(lg["rms_dp"].mean()),
@@ -127,8 +129,10 @@ def verdict(res: CompareResult) -> str:
         return f"no divergence beyond precision: {res.precision['text']}"
     if fd is None:
         worst = worst_excess(res)
-        return (f"no divergence: every site stays within {res.settings.k_floor:g}x its float32 rounding floor "
-                f"(worst site at {worst:.2g}x its threshold)")
+        floors = (f", the largest of {res.second_opinion['samples'] + 1} float32 samples after a second opinion"
+                  if (res.second_opinion or {}).get("taken") else "")
+        return (f"no divergence: every site stays within {res.settings.k_floor:g}x its float32 rounding floor"
+                f"{floors} (worst site at {worst:.2g}x its threshold)")
     where = (f"layer {fd['layer']}" if fd["layer"] is not None else "the output head" if fd["site"] in MODEL_SITES
              else "the model input (before layer 0)")          # llama.cpp's embedding lookup ('GET_ROWS')
     p = res.placement
@@ -154,6 +158,9 @@ def summary(res: CompareResult) -> str:
              f"verdict   {j['verdict']}",
              f"logits    KLD mean {_fmt(lg['kld_mean'])} max {_fmt(lg['kld_max'])}, top-1 agreement "
              f"{_fmt(lg['top1_agreement'])}, perplexity ref {_fmt(lg['ppl_reference'])} / device {_fmt(lg['ppl_device'])}"]
+    second = second_opinion.words(res)
+    if second:
+        lines.append(f"second    {second}")
     missing = not_observed(res)
     if missing:
         names = ", ".join(f"{'head' if layer is None else 'L%d' % layer}:{site}" for layer, site in missing[:6])

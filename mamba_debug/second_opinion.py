@@ -1,0 +1,149 @@
+"""A second opinion on a borderline first divergence: more float32 samples of the rounding floor.
+
+Why: a site's floor is one sample (float32 against float64) at each token. Where a token's value nearly cancels
+(y at a fresh sequence's first token when C . B ~ 0) every float32 implementation errs ~30x its usual relative error,
+and one sample of that error is a poor yardstick: a correct kernel's error landed past 10x it in about one of 80
+runs of 5 sequences (research/threshold_conditioning). So when the first divergence's error is within
+SECOND_OPINION_BELOW x its threshold, the float32 and float64 references run again on copies of the model whose
+float32 weights each moved one float32 ulp, up or down at random (fixed seeds): the same computation rounded
+elsewhere, another sample of the floor at every site and token. The floor becomes the largest sample; thresholds
+and the first divergence are found again; the result keeps both answers (`res.second_opinion`).
+
+What it does not cover: an algorithm that is itself less accurate than the sequential float32 reference (a chunked
+scan ~10 ulps off) stays a divergence, since every sample is of the reference's own rounding. Only the torch engine:
+llama.cpp's verdict recomputes each node in float32 by other means (`sides.llamacpp.precision`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from .budget import available_host_bytes
+from .errors import MambaDebugError
+from .model import Model, once_per_tensor
+from .trace import CompareResult, find_first_divergence, thresholds_from_floor
+
+SECOND_OPINION_BELOW = 100.0    # a first divergence with error <= this x its threshold is re-judged
+SEEDS = (1, 2)                  # one nudged copy of the model per seed: two more samples of every floor
+# 11 of 150 clean runs (random settings of the shipped model, 1 to 5 sequences) had a site past 0.4x its threshold:
+# 0.42-0.78x with the run's own sample, at most 0.26x with one more, 0.23x with two (docs/design-notes.md).
+
+
+def wanted(res: CompareResult) -> bool:
+    """Whether the result's first divergence is close enough to its threshold for rounding to explain it: a finite
+    error within SECOND_OPINION_BELOW x the threshold, from the torch engine's own verdict (not llama.cpp's)."""
+    fd = res.first_divergence
+    return (fd is not None and not fd["nan"] and not res.judged and res.settings.engine == "torch"
+            and fd["error"] <= SECOND_OPINION_BELOW * fd["threshold"])
+
+
+def nudged(model: Model, seed: int, device: Optional[torch.device] = None) -> Model:
+    """A copy of the model whose masters that are float32 values each moved one float32 ulp (up or down in magnitude
+    by a hash of the value and the seed; zeros and the largest float stay), so the float32 and float64 references
+    both read the moved values and their difference is rounding again, elsewhere. The moved masters are float32
+    tensors (the same values, half the memory of float64 ones; every back-end casts them exactly); masters that are
+    not float32 values (A = -exp(A_log) computed in float64) are shared with the model, unmoved. Tied tensors stay
+    tied; the model itself is not touched.
+
+    device: the GPU the references run on. The moved masters are then made there from the references' own float32
+    copy and stay there: a 2.8B model's masters moved on its 16-core host took ~10 s a copy, most of it moving 22 GB
+    of float64 values between host and GPU."""
+    if device is None:
+        check_copy_fits(model)
+        return Model(model.config, once_per_tensor(model.params, lambda v: _moved(v, seed)), model.tokenizer,
+                     source=model.source, notes=model.notes)
+    narrow, wide = model.float32_on(device)
+    moved = once_per_tensor({k: v for k, v in narrow.items() if k not in wide}, lambda w: _moved(w, seed))
+    return Model(model.config, {k: moved.get(k, v) for k, v in model.params.items()}, model.tokenizer,
+                 source=model.source, notes=model.notes)
+
+
+CHUNK = 1 << 24                 # elements a step: the temporaries stay small (a 2.8B model's page faults were most
+                                # of a sample's time when whole tensors were copied)
+_HASH = -1640531535             # 0x9E3779B1 as an int32: the multiply's top bit depends on every bit of the value
+
+
+def _moved(v: torch.Tensor, seed: int) -> torch.Tensor:
+    """v moved one float32 ulp per element as a float32 tensor on v's device, or v itself when it holds a value
+    float32 cannot."""
+    flat = v.detach().reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    salt = seed * 0x2545F49 & 0x7FFFFFFF
+    for a in range(0, flat.numel(), CHUNK):
+        part = flat[a:a + CHUNK]
+        w = part.to(torch.float32)
+        if not torch.equal(w.to(part.dtype), part):
+            return v
+        bits = w.view(torch.int32)
+        # +1 or -1 on the bits: one ulp away from or toward zero, by the hash's sign
+        step = (bits ^ salt).mul_(_HASH).bitwise_right_shift_(31).bitwise_or_(1).neg_()
+        mag = bits & 0x7FFFFFFF
+        step.mul_((mag != 0) & (mag < 0x7F7FFFFF))     # zeros and the largest float stay (no sign flip, no inf)
+        out[a:a + CHUNK] = (bits + step).view(torch.float32)
+    return out.view(v.shape)
+
+
+def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS) -> None:
+    """Judge again with each site's floor the largest of its samples (the run's own and `samples`: floor dicts of
+    the nudged runs, the same keys and shapes); record the first answer in `res.second_opinion`."""
+    before = res.first_divergence
+    res.floor = {k: torch.stack([f] + [s[k] for s in samples]).amax(0) for k, f in res.floor.items()}
+    res.thresholds = thresholds_from_floor(res.floor, res.settings.k_floor)
+    res.first_divergence = find_first_divergence(res)
+    res.second_opinion = {"taken": True, "samples": len(samples), "seeds": list(seeds),
+                          "below": SECOND_OPINION_BELOW, "first_divergence_before": before,
+                          "confirmed": res.first_divergence is not None}
+
+
+def not_taken(res: CompareResult, why: str) -> None:
+    """The second opinion was wanted and could not run (memory): the first answer stands, and says so."""
+    res.second_opinion = {"taken": False, "why": why, "below": SECOND_OPINION_BELOW,
+                          "first_divergence_before": res.first_divergence, "confirmed": None}
+
+
+def take(res: CompareResult, floors_of: Callable[[int], dict]) -> bool:
+    """Run the second opinion when `wanted` (True when it was): floors_of(seed) -> the floors of the model nudged by
+    that seed (compare's loop over the same tokens, schedule and generated tokens). A budget check refusing a
+    sample run leaves it `not_taken`, saying why."""
+    if not wanted(res):
+        return False
+    samples = []
+    for seed in SEEDS:
+        try:
+            samples.append(floors_of(seed))
+        except MambaDebugError as e:            # the nudged copy or its run does not fit
+            not_taken(res, str(e))
+            return True
+    merge(res, samples)
+    return True
+
+
+def check_copy_fits(model: Model) -> None:
+    """Refuse (a MambaDebugError, so the second opinion is not taken) a nudged copy of the masters (float32: 4 bytes
+    an element) that would take more than half the host memory available now."""
+    need = 4 * sum(v.numel() for v in {id(v): v for v in model.params.values()}.values())
+    have = available_host_bytes()
+    if need > 0.5 * have:
+        raise MambaDebugError(f"a nudged copy of the weights needs {need / 1e9:.1f} GB of host memory, "
+                              f"{have / 1e9:.1f} GB available")
+
+
+def words(res: CompareResult) -> Optional[str]:
+    """One sentence on the second opinion for the summary and the verdict, or None when none was wanted."""
+    so = res.second_opinion
+    if not so:
+        return None
+    b = so["first_divergence_before"]
+    at = f"token {b['token']} (seq {b['seq']}), {_where(b)} '{b['site']}' at {b['error'] / b['threshold']:.2g}x"
+    if not so["taken"]:
+        return f"second opinion not taken ({so['why']}): the first answer, {at} its threshold, stands"
+    if not so["confirmed"]:
+        return (f"{at} its threshold was re-judged against {so['samples']} more float32 samples of the floor (the "
+                f"weights moved one ulp): rounding at an ill-conditioned token, not a divergence")
+    return f"confirmed against {so['samples']} more float32 samples of the floor (first seen: {at} its threshold)"
+
+
+def _where(fd: dict) -> str:
+    return f"layer {fd['layer']}" if fd["layer"] is not None else "the output head"
