@@ -73,12 +73,13 @@ def cross_compare(ra, rb, a: str, b: str) -> dict:
         e = _rel_l2(va, vb)                           # [S, n]
         layer = "head" if key[0] is None else key[0]
         per_layer[layer] = max(per_layer.get(layer, 0.0), _finite_max(e))
-        over = e > ra.thresholds.get(key, math.inf)
+        thr = ra.token_thresholds(key)[:, toks] if key in ra.thresholds else torch.full_like(e, math.inf)
+        over = e > thr
         if over.any():
             s, j = (int(i) for i in torch.nonzero(over)[0])
             rows.append((toks[j], ra.site_order().index(key), {"token": toks[j], "seq": s, "layer": key[0],
                                                                "site": key[1], "rel_l2": float(e[s, j]),
-                                                               "threshold": ra.thresholds[key]}))
+                                                               "threshold": float(thr[s, j])}))
     if rows:
         first = min(rows, key=lambda r: (r[0], r[1]))[2]
     logits = per_layer.get("head")

@@ -29,6 +29,10 @@ RESULT_VERSION = 1         # the JSON result's own version (DESIGN.md's keys; un
 # A site's threshold is k * max(floor, MIN_FLOOR): MIN_FLOOR (~8 float32 ulps) keeps a site whose float32 and float64
 # results happen to agree exactly from getting a zero threshold.
 MIN_FLOOR = 1e-6
+# A token whose floor is more than OUTLIER x its site's median floor (a value near zero: its relative error is large
+# for any implementation) is judged by its own floor and left out of the site's level, which it would otherwise
+# raise for every other token (one such y_scan token made a 1e-4 bug land a layer late: research/threshold_conditioning)
+OUTLIER = 100.0
 
 
 @dataclass(frozen=True)
@@ -113,9 +117,19 @@ class CompareResult:
     def is_observed(self, key, side: str = "device") -> bool:
         return key in self.observed.get(side, ())
 
+    def token_thresholds(self, key) -> torch.Tensor:
+        """[S, n_tok]: each token's threshold, the site's (`thresholds`) or k x the token's own floor where that is
+        larger (an outlier token, see OUTLIER); the site's where a floor is not known (NaN)."""
+        own = self.settings.k_floor * torch.nan_to_num(self.floor[key].double(), nan=0.0)
+        return own.clamp(min=self.thresholds[key])
+
+    def ratio(self, key) -> torch.Tensor:
+        """[S, n_tok]: error / threshold per token (NaN where not observed or not captured)."""
+        return self.errors[key]["rel_l2"] / self.token_thresholds(key)
+
     def exceed(self, key) -> torch.Tensor:
-        """[S, n_tok] bool: where the site's error is beyond its threshold (NaN = not captured = False)."""
-        return self.errors[key]["rel_l2"] > self.thresholds[key]
+        """[S, n_tok] bool: where the site's error is beyond its token's threshold (NaN = not captured = False)."""
+        return self.errors[key]["rel_l2"] > self.token_thresholds(key)
 
 
 def require_result(res, fn: str) -> None:
@@ -126,10 +140,14 @@ def require_result(res, fn: str) -> None:
 
 
 def thresholds_from_floor(floor: dict, k: float) -> dict:
+    """Each site's threshold: k x its level, the largest floor over every sequence and token but the outliers (a
+    floor past OUTLIER x the site's median), at least MIN_FLOOR. An outlier token is judged by its own floor
+    (`CompareResult.token_thresholds`)."""
     out = {}
     for key, f in floor.items():
         finite = f[torch.isfinite(f)]
-        level = float(finite.max()) if finite.numel() else 0.0
+        kept = finite[finite <= OUTLIER * max(float(finite.median()), MIN_FLOOR)] if finite.numel() else finite
+        level = float(kept.max()) if kept.numel() else 0.0
         out[key] = k * max(level, MIN_FLOOR)
     return out
 
@@ -151,7 +169,8 @@ def find_first_divergence(res: CompareResult) -> Optional[dict]:
     layer, site = key
     return {"token": t, "seq": seq, "layer": layer, "site": site, "ubatch": info.ubatch,
             "index_in_ubatch": info.index_in_ubatch, "position": info.position, "phase": info.phase,
-            **error_fields(float(res.errors[key]["rel_l2"][seq, t])), "threshold": res.thresholds[key],
+            **error_fields(float(res.errors[key]["rel_l2"][seq, t])),
+            "threshold": float(res.token_thresholds(key)[seq, t]),
             "on_device": layer is not None and res.placement.on_device(layer)
             or layer is None and res.placement.head_on_device}
 
@@ -189,7 +208,7 @@ def nanmax(t: torch.Tensor) -> float:
 def worst_excess(res) -> float:
     """The largest error / threshold over every site and token of a result (inf where a value is not finite; a site
     not observed or not captured, NaN throughout, counts nothing); 0.0 with none."""
-    ratios = (nanmax(res.errors[k]["rel_l2"]) / t for k, t in res.thresholds.items() if k in res.errors and t)
+    ratios = (nanmax(res.ratio(k)) for k, t in res.thresholds.items() if k in res.errors and t)
     return max((r for r in ratios if r == r), default=0.0)
 
 

@@ -34,7 +34,8 @@ def result(fd):
     err = torch.zeros(2, 8, dtype=torch.float64)
     err[1, 5] = 0.5
     return SimpleNamespace(first_divergence=fd, token_info=info, token_infos=lambda seq: info,
-                           errors={(3, "CONT"): {"rel_l2": err}}, thresholds={(3, "CONT"): 1e-5})
+                           errors={(3, "CONT"): {"rel_l2": err}}, thresholds={(3, "CONT"): 1e-5},
+                           exceed=lambda key: err > 1e-5)
 
 
 def matmul_with_error(local, n, rel, u=0):

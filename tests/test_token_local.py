@@ -249,7 +249,9 @@ def clean_result(excess=2.0):
     """A run whose only site ('x_proj' at layer 0) passes its threshold 1e-5 by `excess` at (seq 2, token 5)."""
     err = torch.zeros(S, T, dtype=torch.float64)
     err[2, 5] = excess * 1e-5
-    return SimpleNamespace(errors={(0, "x_proj"): {"rel_l2": err}}, thresholds={(0, "x_proj"): 1e-5})
+    errors = {(0, "x_proj"): {"rel_l2": err}}
+    return SimpleNamespace(errors=errors, thresholds={(0, "x_proj"): 1e-5},
+                           ratio=lambda key: errors[key]["rel_l2"] / 1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)                # numpy, and torch (the GPU path of a CUDA run)

@@ -300,7 +300,17 @@ def present_rows(res: CompareResult, site: str) -> np.ndarray:
 
 
 def thresholds(res: CompareResult, site: str) -> np.ndarray:
+    """Each plotted row's site threshold (a token whose own floor is larger has its own: `token_thresholds`)."""
     return np.array([res.thresholds.get(k, np.nan) for k in site_keys(res, site)])
+
+
+def token_thresholds(res: CompareResult, site: str, seq: int = 0) -> np.ndarray:
+    """[n_layer (1 for a model-level site), n_tok] each token's threshold for one sequence; NaN for a row without
+    the site."""
+    n_tok = res.tokens.shape[1]
+    rows = [res.token_thresholds(k)[seq].numpy() if k in res.thresholds and k in res.floor else np.full(n_tok, np.nan)
+            for k in site_keys(res, site)]
+    return np.stack(rows).astype(float)
 
 
 def not_observed_patch():

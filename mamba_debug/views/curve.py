@@ -12,7 +12,7 @@ from ..trace import CompareResult
 from .blit import mark_dynamic
 from .base import (check_args, BOUNDARY, DEVICE_SHADE, EXACT_ZERO, FIRST_DIV, NAN_INF, TITLE_Y, View, ViewState,
                    clear_axes, fresh_axes, hatch_columns, mark_device_boundaries, mark_ubatches, message,
-                   not_observed_patch, observed_rows, present_rows, site_errors, thresholds)
+                   not_observed_patch, observed_rows, present_rows, site_errors, token_thresholds)
 
 METRIC_LABELS = {"rel_l2": "relative L2 error  ||dev - ref|| / ||ref||", "max_abs": "max |dev - ref|",
                  "nmse": "NMSE  mse(dev, ref) / mse(ref, 0)", "cosine": "1 - cosine(dev, ref)  (0 = same direction)"}
@@ -58,19 +58,27 @@ def _plot_series(ax, x, y, thr, label):
     return handles
 
 
+def _worst_tokens(err: np.ndarray, thr) -> list:
+    """Per row, the token of its largest error / threshold (the largest error without thresholds); None where the
+    row has no value. A NaN/Inf on the device (inf) is the worst."""
+    with np.errstate(all="ignore"):
+        score = err if thr is None else err / thr
+    return [None if np.isnan(r).all() else int(np.nanargmax(r)) for r in score]
+
+
 def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2", seq=0):
     """Error per layer at one token (None: worst token); for a model-level site, error per token instead."""
     check_args(res, ax, seq=seq, token=token, site=site, metric=metric)
     from matplotlib.lines import Line2D  # noqa: PLC0415
     clear_axes(ax)
     err = _values(site_errors(res, site, metric, seq), metric)
-    thr_all = thresholds(res, site) if metric == "rel_l2" else None
+    thr_tok = token_thresholds(res, site, seq) if metric == "rel_l2" else None     # [rows, n_tok]
     seen = observed_rows(res, site) | ~present_rows(res, site)     # a layer without the site is not "not observed"
     fd = res.first_divergence
     if site in MODEL_SITES:                      # one value per token: a curve over the tokens
         x = np.arange(err.shape[1])
         y = err[0]
-        thr = None if thr_all is None else np.full(len(x), thr_all[0])
+        thr = None if thr_tok is None else thr_tok[0]
         handles = _plot_series(ax, x, y, thr, f"{site} (model-level: one value per token)")
         mark_ubatches(ax, res, seq)
         if token is not None:
@@ -82,18 +90,21 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
         if not seen.all():
             message(ax, "not observed by the device side")
     else:
-        if token is None:
-            with np.errstate(all="ignore"):
-                y = np.array([np.nanmax(r) if (~np.isnan(r)).any() else np.nan for r in err])
+        if token is None:           # each layer at its worst token: the largest error / threshold
+            at = _worst_tokens(err, thr_tok)
+            y = np.array([np.nan if j is None else err[i, j] for i, j in enumerate(at)])
+            thr = None if thr_tok is None else np.array([np.nan if j is None else thr_tok[i, j]
+                                                         for i, j in enumerate(at)])
         else:
             y = err[:, token]
+            thr = None if thr_tok is None else thr_tok[:, token]
         x = np.arange(len(y))
         L0 = res.placement.first_device_layer
         if L0 < res.n_layer:
             ax.axvspan(L0 - 0.5, res.n_layer - 0.5, **DEVICE_SHADE, zorder=0)
             ax.axvline(L0 - 0.5, color=BOUNDARY, ls="--", lw=2, zorder=1)
         split = mark_device_boundaries(ax, res)
-        handles = _plot_series(ax, x, y, thr_all, f"{site} at each layer")
+        handles = _plot_series(ax, x, y, thr, f"{site} at each layer")
         if split is not None:
             handles.append(split)
         if L0 < res.n_layer:

@@ -10,7 +10,8 @@ from ..trace import CompareResult
 from .blit import mark_dynamic
 from .base import (check_args, BOUNDARY, FIRST_DIV, NO_SITE_LABEL, SPECIAL_LOOKS, TITLE_Y, View, ViewState,
                    add_colorbar, clear_axes, fresh_axes, mark_device_boundaries, mark_ubatches, observed_rows,
-                   present_rows, ratio_colorbar, ratio_norm, site_errors, special_handles, special_overlay, thresholds)
+                   present_rows, ratio_colorbar, ratio_norm, site_errors, special_handles, special_overlay,
+                   token_thresholds)
 
 
 def error_image(res: CompareResult, site: str, metric: str, seq: int):
@@ -21,7 +22,7 @@ def error_image(res: CompareResult, site: str, metric: str, seq: int):
         err = np.where(np.isfinite(err), np.abs(1.0 - err), err)
     with np.errstate(divide="ignore", invalid="ignore"):
         if metric == "rel_l2":
-            ratio = err / thresholds(res, site)[:, None]
+            ratio = err / token_thresholds(res, site, seq)
             img = np.log10(ratio)
         else:
             img = np.log10(err)
@@ -98,7 +99,7 @@ class HeatmapView(View):
         if not ratio:
             return err
         with np.errstate(all="ignore"):
-            return err / thresholds(res, v.site)[:, None]
+            return err / token_thresholds(res, v.site, v.seq)
 
     def report_states(self, res: CompareResult) -> list:
         """The hidden state; and the first divergent site when that is another one."""

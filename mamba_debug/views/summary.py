@@ -36,8 +36,7 @@ def per_layer(res: CompareResult) -> list[dict]:
                            "threshold": json_num(thr)}
             if not res.is_observed(key):
                 continue
-            err = nanmax(res.errors[key]["rel_l2"])
-            ratio = err / thr if thr > 0 else math.inf
+            ratio = nanmax(res.ratio(key)) if thr > 0 else math.inf
             if ratio > worst[0] or math.isnan(ratio):
                 worst = (ratio, site)
             ex = torch.nonzero(res.exceed(key).any(0))

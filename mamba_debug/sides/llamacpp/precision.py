@@ -72,7 +72,7 @@ def _at_node(res, f: dict) -> dict:
     key = (f["layer"], f["site"])
     seq = f["first_seq"]
     if key in res.errors and key in res.thresholds:
-        over = res.errors[key]["rel_l2"][:, toks] > res.thresholds[key]
+        over = res.exceed(key)[:, toks]
         rows = [s for s in range(f["first_seq"], over.shape[0]) if bool(over[s].any())]
         seq = rows[0] if rows else seq
     info = infos[t]
