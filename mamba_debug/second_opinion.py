@@ -39,23 +39,23 @@ def wanted(res: CompareResult) -> bool:
 
 
 def nudged(model: Model, seed: int, device: Optional[torch.device] = None) -> Model:
-    """A copy of the model whose masters that are float32 values each moved one float32 ulp (up or down in magnitude
-    by a hash of the value and the seed; zeros and the largest float stay), so the float32 and float64 references
-    both read the moved values and their difference is rounding again, elsewhere. The moved masters are float32
-    tensors (the same values, half the memory of float64 ones; every back-end casts them exactly); masters that are
-    not float32 values (A = -exp(A_log) computed in float64) are shared with the model, unmoved. Tied tensors stay
-    tied; the model itself is not touched.
+    """A copy of the model whose every master moved by one float32 ulp (up or down in magnitude by a hash of the
+    value and the seed; zeros and the largest float stay), so the float32 and float64 references both read the moved
+    values and their difference is rounding again, elsewhere. A master that holds float32 values moves to the next
+    float32 value and is kept as a float32 tensor (half the memory of a float64 one; every back-end casts it
+    exactly); one that does not (A = -exp(A_log) computed in float64, weights built in float64) moves by a relative
+    2^-24 in its own dtype. Tied tensors stay tied; the model itself is not touched.
 
-    device: the GPU the references run on. The moved masters are then made there from the references' own float32
+    device: the GPU the references run on. The float32 masters are then moved there from the references' own float32
     copy and stay there: a 2.8B model's masters moved on its 16-core host took ~10 s a copy, most of it moving 22 GB
     of float64 values between host and GPU."""
     if device is None:
         check_copy_fits(model)
-        return Model(model.config, once_per_tensor(model.params, lambda v: _moved(v, seed)), model.tokenizer,
-                     source=model.source, notes=model.notes)
-    narrow, wide = model.float32_on(device)
-    moved = once_per_tensor({k: v for k, v in narrow.items() if k not in wide}, lambda w: _moved(w, seed))
-    return Model(model.config, {k: moved.get(k, v) for k, v in model.params.items()}, model.tokenizer,
+        src = model.params
+    else:
+        narrow, wide = model.float32_on(device)
+        src = {k: v if k in wide else narrow[k] for k, v in model.params.items()}     # tied names: one tensor
+    return Model(model.config, once_per_tensor(src, lambda v: _moved(v, seed)), model.tokenizer,
                  source=model.source, notes=model.notes)
 
 
@@ -65,31 +65,32 @@ _HASH = -1640531535             # 0x9E3779B1 as an int32: the multiply's top bit
 
 
 def _moved(v: torch.Tensor, seed: int) -> torch.Tensor:
-    """v moved one float32 ulp per element as a float32 tensor on v's device, or v itself when it holds a value
-    float32 cannot."""
+    """v moved by one float32 ulp per element, on v's device: a float32 tensor of the neighbouring float32 values
+    where v holds float32 values, else v's dtype scaled by 1 +- 2^-24."""
     flat = v.detach().reshape(-1)
-    out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    parts = [flat[a:a + CHUNK] for a in range(0, flat.numel(), CHUNK)]
+    narrow = all(torch.equal(p.to(torch.float32).to(p.dtype), p) for p in parts)
+    out = torch.empty(flat.shape, dtype=torch.float32 if narrow else flat.dtype, device=flat.device)
     salt = seed * 0x2545F49 & 0x7FFFFFFF
-    for a in range(0, flat.numel(), CHUNK):
-        part = flat[a:a + CHUNK]
+    for a, part in zip(range(0, flat.numel(), CHUNK), parts):
         w = part.to(torch.float32)
-        if not torch.equal(w.to(part.dtype), part):
-            return v
         bits = w.view(torch.int32)
-        # +1 or -1 on the bits: one ulp away from or toward zero, by the hash's sign
+        # +1 or -1: one ulp away from or toward zero, by the hash's sign
         step = (bits ^ salt).mul_(_HASH).bitwise_right_shift_(31).bitwise_or_(1).neg_()
         mag = bits & 0x7FFFFFFF
         step.mul_((mag != 0) & (mag < 0x7F7FFFFF))     # zeros and the largest float stay (no sign flip, no inf)
-        out[a:a + CHUNK] = (bits + step).view(torch.float32)
+        out[a:a + CHUNK] = (bits + step).view(torch.float32) if narrow else part * (1 + step.to(part.dtype) * 2**-24)
     return out.view(v.shape)
 
 
 def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS) -> None:
     """Judge again with each site's floor the largest of its samples (the run's own and `samples`: floor dicts of
     the nudged runs, the same keys and shapes); record the first answer in `res.second_opinion`."""
-    before = res.first_divergence
+    before, first = res.first_divergence, res.thresholds
     res.floor = {k: torch.stack([f] + [s[k] for s in samples]).amax(0) for k, f in res.floor.items()}
-    res.thresholds = thresholds_from_floor(res.floor, res.settings.k_floor)
+    # more samples never lower a threshold: a token whose larger sample crosses OUTLIER x the median leaves the site's
+    # level (judged by its own floor), which alone would lower the others' threshold
+    res.thresholds = {k: max(v, first[k]) for k, v in thresholds_from_floor(res.floor, res.settings.k_floor).items()}
     res.first_divergence = find_first_divergence(res)
     res.second_opinion = {"taken": True, "samples": len(samples), "seeds": list(seeds),
                           "below": SECOND_OPINION_BELOW, "first_divergence_before": before,
@@ -120,9 +121,9 @@ def take(res: CompareResult, floors_of: Callable[[int], dict]) -> bool:
 
 
 def check_copy_fits(model: Model) -> None:
-    """Refuse (a MambaDebugError, so the second opinion is not taken) a nudged copy of the masters (float32: 4 bytes
-    an element) that would take more than half the host memory available now."""
-    need = 4 * sum(v.numel() for v in {id(v): v for v in model.params.values()}.values())
+    """Refuse (a MambaDebugError, so the second opinion is not taken) a nudged copy of the masters that could take
+    more than half the host memory available now (counted in the masters' dtype: float32 values take half of it)."""
+    need = sum(v.numel() * v.element_size() for v in {id(v): v for v in model.params.values()}.values())
     have = available_host_bytes()
     if need > 0.5 * have:
         raise MambaDebugError(f"a nudged copy of the weights needs {need / 1e9:.1f} GB of host memory, "
@@ -141,6 +142,11 @@ def words(res: CompareResult) -> Optional[str]:
     if not so["confirmed"]:
         return (f"{at} its threshold was re-judged against {so['samples']} more float32 samples of the floor (the "
                 f"weights moved one ulp): rounding at an ill-conditioned token, not a divergence")
+    now = res.first_divergence
+    if now is not None and (now["token"], now["seq"], now["layer"], now["site"]) != \
+            (b["token"], b["seq"], b["layer"], b["site"]):
+        return (f"{at} its threshold was within {so['samples']} more float32 samples of the floor; the verdict's "
+                f"divergence is past them too")
     return f"confirmed against {so['samples']} more float32 samples of the floor (first seen: {at} its threshold)"
 
 

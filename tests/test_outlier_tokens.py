@@ -58,6 +58,27 @@ def test_a_near_zero_token_no_longer_blinds_its_site(blind_runs):
     assert bool((tok[outliers] > res.thresholds[(1, "y_scan")]).all())   # judged by its own floor
     assert bool((tok[~outliers] == res.thresholds[(1, "y_scan")]).all())
     assert three["threshold"] == float(tok[three["seq"], three["token"]])
+    site = md.per_layer(res)[1]["sites"]["y_scan"]                  # the JSON says why max_rel_l2 > threshold
+    assert site["outlier_tokens"] == int(outliers.sum())
+    assert "outlier_tokens" not in md.per_layer(res)[1]["sites"]["resid"]
+
+
+def test_the_curve_returns_what_it_draws(blind_runs):
+    """At the worst token of each layer: the largest error / threshold (an outlier token's error is past the site's
+    threshold but within its own), and the view's data is the plotted line."""
+    from mamba_debug.views import registry
+    from mamba_debug.views.base import ViewState, new_figure
+    from mamba_debug.views.curve import curve_values
+    res = blind_runs[3]
+    view = registry.BY_NAME["curve"]
+    for seq in range(3):
+        y = view.draw(new_figure(view.figsize), res, ViewState(token=None, site="y_scan", seq=seq))
+        want, thr = curve_values(res, "y_scan", "rel_l2", seq)
+        assert np.array_equal(y, want, equal_nan=True)
+        line = view.draw(new_figure(view.figsize), res, ViewState(token=None, site="y_scan", seq=seq))
+        assert np.array_equal(line, y, equal_nan=True)
+        ratio = res.ratio((1, "y_scan"))[seq]
+        assert y[1] / thr[1] == pytest.approx(float(ratio.max()))
 
 
 def test_the_views_colour_each_token_by_its_own_threshold(blind_runs):

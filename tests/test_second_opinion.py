@@ -83,8 +83,9 @@ def test_nudged_moves_each_float32_weight_one_ulp(model):
         n = a.params[k]
         assert torch.equal(n, b.params[k])                   # the same seed, the same moves
         w = v.to(torch.float32)
-        if not torch.equal(w.double(), v):
-            assert n is v                                     # not a float32 value (A): shared, unmoved
+        if not torch.equal(w.double(), v):                   # not float32 values (A): moved by 2^-24 in float64
+            rel = (n / v - 1).abs()[v != 0]
+            assert n.dtype == v.dtype and torch.allclose(rel, torch.full_like(rel, 2.0**-24), rtol=1e-6, atol=0)
             continue
         assert n.dtype == torch.float32 and n.shape == v.shape
         up, down = torch.nextafter(w, torch.tensor(float("inf"))), torch.nextafter(w, torch.tensor(float("-inf")))
@@ -135,8 +136,41 @@ def test_moved_values_at_the_edges():
         up, down = torch.nextafter(w, torch.tensor(float("inf"))), torch.nextafter(w, torch.tensor(float("-inf")))
         moved = (m == up) | (m == down)
         assert bool(moved[4:].all()) and bool((moved | (m == w))[2:4].all())    # the largest stays or moves in
-    wide = torch.tensor([0.1], dtype=torch.float64)
-    assert second_opinion._moved(wide, 1) is wide
+    wide = torch.tensor([0.1, -3.0e-3, 0.0], dtype=torch.float64)          # not float32 values
+    moved = second_opinion._moved(wide, 1)
+    rel = (moved / wide - 1).abs()[:2]
+    assert moved.dtype == torch.float64 and torch.allclose(rel, torch.full_like(rel, 2.0**-24), rtol=1e-6, atol=0)
+    assert moved[2] == 0
+
+
+def test_weights_built_in_float64_are_moved_too(model, small_bug):
+    """A model whose weights are not float32 values (md.build_model from float64 tensors, an edit in place): the
+    samples differ from the first run's (nothing moved made both samples that run again, 'confirmed' by itself)."""
+    g = torch.Generator().manual_seed(0)
+    wide = md.Model(model.config, {k: v * (1 + 1e-9 * torch.randn(v.shape, generator=g, dtype=v.dtype))
+                                   for k, v in model.params.items()}, model.tokenizer)
+    a = second_opinion.nudged(wide, 1)
+    assert all(not torch.equal(a.params[k], v) for k, v in wide.params.items() if v.abs().sum() > 0)
+    res = bug_run(wide, small_bug)
+    assert res.second_opinion["taken"]
+    before = res.second_opinion["first_divergence_before"]
+    assert any(res.thresholds[k] > before["threshold"] for k in [(before["layer"], before["site"])])
+
+
+def test_more_samples_never_lower_a_threshold(model, small_bug):
+    """A token whose larger sample crosses OUTLIER x its site's median leaves the site's level: the threshold of
+    the other tokens must not fall for it."""
+    from mamba_debug.trace import OUTLIER
+    res = bug_run(model, small_bug)
+    first = dict(res.thresholds)
+    res.thresholds, res.first_divergence = dict(first), res.second_opinion["first_divergence_before"]
+    key = (1, "y_scan")
+    f = res.floor[key]
+    sample = {k: v.clone() for k, v in res.floor.items()}
+    level_token = torch.nonzero(f == f.max())[0]
+    sample[key][tuple(level_token)] = 10 * OUTLIER * float(f.median())      # the level's token, now an outlier
+    second_opinion.merge(res, [sample, sample])
+    assert all(res.thresholds[k] >= first[k] for k in first)
 
 
 def test_the_samples_run_the_first_runs_tokens(model, small_bug, monkeypatch):

@@ -66,19 +66,32 @@ def _worst_tokens(err: np.ndarray, thr) -> list:
     return [None if np.isnan(r).all() else int(np.nanargmax(r)) for r in score]
 
 
+def curve_values(res: CompareResult, site: str, metric: str, seq: int, token=None) -> tuple:
+    """(values, thresholds) the curve draws: per token for a model-level site; else per layer at `token`, or at
+    each layer's worst token (its largest error / threshold) when None. Thresholds None for metrics without one."""
+    err = _values(site_errors(res, site, metric, seq), metric)
+    thr_tok = token_thresholds(res, site, seq) if metric == "rel_l2" else None     # [rows, n_tok]
+    if site in MODEL_SITES:
+        return err[0], None if thr_tok is None else thr_tok[0]
+    if token is not None:
+        return err[:, token], None if thr_tok is None else thr_tok[:, token]
+    at = _worst_tokens(err, thr_tok)
+
+    def pick(a):
+        return np.array([np.nan if j is None else a[i, j] for i, j in enumerate(at)])
+    return pick(err), None if thr_tok is None else pick(thr_tok)
+
+
 def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2", seq=0):
     """Error per layer at one token (None: worst token); for a model-level site, error per token instead."""
     check_args(res, ax, seq=seq, token=token, site=site, metric=metric)
     from matplotlib.lines import Line2D  # noqa: PLC0415
     clear_axes(ax)
-    err = _values(site_errors(res, site, metric, seq), metric)
-    thr_tok = token_thresholds(res, site, seq) if metric == "rel_l2" else None     # [rows, n_tok]
+    y, thr = curve_values(res, site, metric, seq, token)
     seen = observed_rows(res, site) | ~present_rows(res, site)     # a layer without the site is not "not observed"
     fd = res.first_divergence
     if site in MODEL_SITES:                      # one value per token: a curve over the tokens
-        x = np.arange(err.shape[1])
-        y = err[0]
-        thr = None if thr_tok is None else thr_tok[0]
+        x = np.arange(len(y))
         handles = _plot_series(ax, x, y, thr, f"{site} (model-level: one value per token)")
         mark_ubatches(ax, res, seq)
         if token is not None:
@@ -90,14 +103,6 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
         if not seen.all():
             message(ax, "not observed by the device side")
     else:
-        if token is None:           # each layer at its worst token: the largest error / threshold
-            at = _worst_tokens(err, thr_tok)
-            y = np.array([np.nan if j is None else err[i, j] for i, j in enumerate(at)])
-            thr = None if thr_tok is None else np.array([np.nan if j is None else thr_tok[i, j]
-                                                         for i, j in enumerate(at)])
-        else:
-            y = err[:, token]
-            thr = None if thr_tok is None else thr_tok[:, token]
         x = np.arange(len(y))
         L0 = res.placement.first_device_layer
         if L0 < res.n_layer:
@@ -143,20 +148,18 @@ class CurveView(View):
             from matplotlib.ticker import LogLocator, NullLocator  # noqa: PLC0415
             ax.yaxis.set_major_locator(LogLocator(numticks=6))
             ax.yaxis.set_minor_locator(NullLocator())
-        err = site_errors(res, v.site, v.metric, v.seq)
+        drawn = curve_values(res, v.site, v.metric, v.seq, token)[0]
         if v.site in MODEL_SITES:
             ax.set_title(f"'{v.site}' {v.metric} per token (a model-level site), seq {v.seq}", fontsize=10,
                          y=TITLE_Y)
-            return err[0]
-        if token is None:
+        elif token is None:
             ax.set_title(f"'{v.site}' {v.metric} per layer at the worst token, seq {v.seq}", fontsize=10,
                          y=TITLE_Y)
-            with np.errstate(all="ignore"):
-                return np.array([np.nanmax(r) if (~np.isnan(r)).any() else np.nan for r in err])
-        info = res.token_infos(v.seq)[token]
-        ax.set_title(f"'{v.site}' {v.metric} per layer at token {token} ({info.phase}, ubatch {info.ubatch}), "
-                     f"seq {v.seq}", fontsize=10, y=TITLE_Y)
-        return err[:, token]
+        else:
+            info = res.token_infos(v.seq)[token]
+            ax.set_title(f"'{v.site}' {v.metric} per layer at token {token} ({info.phase}, ubatch {info.ubatch}), "
+                         f"seq {v.seq}", fontsize=10, y=TITLE_Y)
+        return drawn
 
     def report_states(self, res: CompareResult) -> list:
         st = ViewState.at_first_divergence(res)

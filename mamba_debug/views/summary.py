@@ -32,8 +32,9 @@ def per_layer(res: CompareResult) -> list[dict]:
             if key not in res.errors:
                 continue
             thr = res.thresholds[key]
+            own = int((res.token_thresholds(key) > thr).sum())      # tokens judged by their own floor (OUTLIER)
             sites[site] = {"max_rel_l2": _err(res, key), "floor": json_num(nanmax(res.floor[key])),
-                           "threshold": json_num(thr)}
+                           "threshold": json_num(thr), **({"outlier_tokens": own} if own else {})}
             if not res.is_observed(key):
                 continue
             ratio = nanmax(res.ratio(key)) if thr > 0 else math.inf
