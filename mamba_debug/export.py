@@ -157,6 +157,9 @@ def _kernel_for(t):
 
 REFERENCE = {{{", ".join(f'"{op}": {op}' for op in ops_module.TORCH_OPS)}}}
 WHERE = "the output head" if CASE["layer"] is None else f"layer {{CASE['layer']}}"
+# each call's NMSE against float64: at most nmse_limit, and at most the square of the run's threshold (a rel. L2) at
+# the first divergence: a 1e-4 relative bug (NMSE 1e-8) passed the fixed 1e-7
+LIMIT = min(CASE["nmse_limit"], float(CASE["first_divergence"]["threshold"]) ** 2)
 
 
 def _plugin_ops():
@@ -208,6 +211,6 @@ def test_recorded_call_matches_float64_reference(n):
     want = want if isinstance(want, tuple) else (want,)
     for i, (g, w) in enumerate(zip(got, want)):
         err = _nmse(g, w)
-        assert err <= CASE["nmse_limit"], (f"{{call['op']}} output {{i}} ({{WHERE}}, ubatch {{CASE['ubatch']}}): "
-                                           f"NMSE {{err:.3g}} > {{CASE['nmse_limit']}}")
+        assert err <= LIMIT, (f"{{call['op']}} output {{i}} ({{WHERE}}, ubatch {{CASE['ubatch']}}): "
+                              f"NMSE {{err:.3g}} > {{LIMIT:.3g}}")
 '''

@@ -154,3 +154,24 @@ def test_the_views_mark_each_sequences_own_ubatch_boundaries(tmp_path):
         lines[seq] = sorted(float(ln.get_xdata()[0]) for ln in ax.lines)
         plt.close(fig)
     assert lines[4] == [2.5, 5.5, 8.5, 11.5] and lines[0] == [t - 0.5 for t in range(1, 13)]
+
+
+def test_a_small_real_bug_replays_as_failing(tmp_path):
+    """A scan whose y is off by a relative 1e-4 (NMSE 1e-8) diverged in the run but its case passed the fixed NMSE
+    limit of 1e-7: the replay's limit is now also the square of the run's threshold at the first divergence."""
+    bug = _write(tmp_path, "y_1e4.py", '''
+from mamba_debug import ops
+def ssm_scan(*args, **kwargs):
+    y, h = ops.ssm_scan(*args, **kwargs)
+    return y * (1 + 1e-4), h
+OPS = {"ssm_scan": ssm_scan}
+''')
+    import mamba_debug as md
+    m = md.load_model()
+    ids = m.encode("The quick brown fox jumps over the lazy dog and then some more words follow here.")
+    case = export_case(m, ids, RunSettings(device="cpu", kernels=bug, offload=11, n_gen=2), tmp_path / "case")
+    assert case["first_divergence"]["site"] == "y_scan"
+    bad = replay_case(tmp_path / "case")
+    assert bad.returncode == 1 and "NMSE" in bad.stdout, bad.stdout[-2000:]
+    good = replay_case(tmp_path / "case", _write(tmp_path, "good.py", RIGHT.format(op="ssm_scan")))
+    assert good.returncode == 0, good.stdout[-2000:]
