@@ -63,6 +63,7 @@ def test_a_small_real_bug_is_confirmed_where_it_was(model, small_bug):
            (before["token"], before["seq"], before["layer"], before["site"])
     assert now["threshold"] >= before["threshold"]            # the largest of three samples
     assert "confirmed against 2 more float32 samples" in summary(res)
+    assert md.verdict(res).endswith("(past 3 float32 samples of the floor: a second opinion)")   # the dashboard's line
     j = json.loads(json.dumps(to_json(res)))
     assert j["second_opinion"]["confirmed"] is True and j["second_opinion"]["seeds"] == list(second_opinion.SEEDS)
 
@@ -212,6 +213,7 @@ def test_not_taken_when_the_copy_does_not_fit(model, small_bug, monkeypatch):
     assert so["taken"] is False and "host memory" in so["why"]
     assert res.first_divergence == so["first_divergence_before"]             # the first answer stands
     assert "second opinion not taken" in summary(res)
+    assert md.verdict(res).endswith("(a second opinion was not taken)")
 
 
 def test_a_trace_keeps_the_second_opinion(model, small_bug, tmp_path):

@@ -141,8 +141,11 @@ def verdict(res: CompareResult) -> str:
         crossed = (fd["layer"] if fd["layer"] is not None else p.n_layer) in p.device_boundaries
         where += f" on {p.slot_name(slot)}" + (" (just after a device boundary)" if crossed else "")
     what = "NaN/Inf born" if fd["nan"] else f"error {fd['error']:.3g} > threshold {fd['threshold']:.3g}"
+    so = res.second_opinion or {}
+    second = (f" (past {so['samples'] + 1} float32 samples of the floor: a second opinion)" if so.get("taken")
+              else " (a second opinion was not taken)" if so else "")
     return (f"DIVERGED at token {fd['token']} (seq {fd['seq']}, ubatch {fd['ubatch']}, {fd['position']}), {where}, "
-            f"site '{fd['site']}': {what}")
+            f"site '{fd['site']}': {what}{second}")
 
 
 def summary(res: CompareResult) -> str:
