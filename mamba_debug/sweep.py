@@ -33,7 +33,16 @@ def sweep_cell(res) -> dict:
             "first_divergence": fd, "first_token": None if fd is None else fd["token"],
             "first_layer": None if fd is None else fd["layer"], "kld_mean": json_num(kld.mean()),
             "kld_max": json_num(kld.max()), "top1_agreement": json_num(res.logits["top1"].mean()),
-            "seconds": res.timings.get("compare_s")}
+            "seconds": res.timings.get("compare_s"), **_second_opinion(res)}
+
+
+def _second_opinion(res) -> dict:
+    """A cell's second opinion in one word, where one was wanted: confirmed, rounding (the cell reads clean) or not
+    taken."""
+    so = res.second_opinion
+    if not so:
+        return {}
+    return {"second_opinion": "not taken" if not so["taken"] else "confirmed" if so["confirmed"] else "rounding"}
 
 
 def _axis(name: str, values) -> list:

@@ -242,3 +242,21 @@ def test_groups_of_sequences_get_their_samples(model, small_bug):
     assert res.settings.seq_groups(3) != [(0, 3)]
     assert res.second_opinion["taken"] and res.second_opinion["confirmed"]
     assert all(f.shape == (3, res.tokens.shape[1]) for f in res.floor.values())
+
+
+def test_a_sweep_cell_says_its_second_opinion(model, small_bug):
+    """The matrix marks a divergence that stood past a second opinion (the cells show no verdict text)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mamba_debug.views.sweep_matrix import sweep_matrix
+    ids = model.encode("The quick brown fox jumps over the lazy dog")
+    sweep = md.run_sweep(model, ids, md.RunSettings(kernels=small_bug), offloads=[0, 11], ubatches=[512],
+                         progress=False)
+    by = {c["offload"]: c for c in sweep["cells"]}
+    assert "second_opinion" not in by[0] and by[11]["second_opinion"] == "confirmed"
+    fig, ax = plt.subplots()
+    sweep_matrix(sweep, ax)
+    texts = [t.get_text() for t in ax.texts]
+    assert any(t.split("\n")[0].endswith("*") for t in texts) and "second opinion" in ax.get_title()
+    plt.close(fig)

@@ -75,7 +75,8 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
             if not math.isfinite(kld):
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=NAN_INF, edgecolor="none", zorder=2))
             dark = not math.isfinite(kld) or norm(max(kld, KLD_RANGE[0])) > 0.55
-            ax.text(j, i, f"{_label(fd)}\nKLD {kld:.2g}", ha="center", va="center", fontsize=7.5, zorder=3,
+            star = "*" if c.get("second_opinion") == "confirmed" else ""
+            ax.text(j, i, f"{_label(fd)}{star}\nKLD {kld:.2g}", ha="center", va="center", fontsize=7.5, zorder=3,
                     color="white" if dark else "black", fontweight="bold")
     for k in range(len(ubs) + 1):
         ax.axvline(k - 0.5, color="white", lw=1.5, zorder=4)
@@ -87,8 +88,10 @@ def sweep_matrix(sweep: dict, ax, value="kld_mean", n_seqs: Optional[int] = None
     ax.set_yticks(range(len(offs)), [str(o) for o in offs])
     ax.set_xlabel("ubatch (-ub)")
     ax.set_ylabel("offload (-ngl)")
+    starred = any(c.get("second_opinion") == "confirmed" for c in cells.values())
     ax.set_title(title if title is not None else "first divergence (layer, token) and mean KLD per configuration"
-                 + ("" if n_seqs is None else f", {n_seqs} sequence(s)"), fontsize=9, y=TITLE_Y)
+                 + ("" if n_seqs is None else f", {n_seqs} sequence(s)")
+                 + ("\n(*: past a second opinion's float32 samples)" if starred else ""), fontsize=9, y=TITLE_Y)
     if colorbar:
         cb = add_colorbar(ax, im)
         cb.set_label("mean KLD of a diverged cell (log)", fontsize=8)
