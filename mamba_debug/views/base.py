@@ -299,11 +299,6 @@ def present_rows(res: CompareResult, site: str) -> np.ndarray:
                      for k in site_keys(res, site)])
 
 
-def thresholds(res: CompareResult, site: str) -> np.ndarray:
-    """Each plotted row's site threshold (a token whose own floor is larger has its own: `token_thresholds`)."""
-    return np.array([res.thresholds.get(k, np.nan) for k in site_keys(res, site)])
-
-
 def token_thresholds(res: CompareResult, site: str, seq: int = 0) -> np.ndarray:
     """[n_layer (1 for a model-level site), n_tok] each token's threshold for one sequence; NaN for a row without
     the site."""

@@ -84,6 +84,12 @@ def curve_values(res: CompareResult, site: str, metric: str, seq: int, token=Non
 
 def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2", seq=0):
     """Error per layer at one token (None: worst token); for a model-level site, error per token instead."""
+    _draw_curve(res, ax, token, site, metric, seq)
+    return ax
+
+
+def _draw_curve(res: CompareResult, ax, token, site, metric, seq) -> np.ndarray:
+    """layer_curve's drawing; returns the values drawn (`curve_values`)."""
     check_args(res, ax, seq=seq, token=token, site=site, metric=metric)
     from matplotlib.lines import Line2D  # noqa: PLC0415
     clear_axes(ax)
@@ -129,7 +135,7 @@ def layer_curve(res: CompareResult, ax, token=None, site="resid", metric="rel_l2
         ax.set_xlabel("layer")
     ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize=8)
     ax.legend(handles=handles, loc="best", fontsize=7, framealpha=0.85)
-    return ax
+    return y
 
 
 class CurveView(View):
@@ -142,13 +148,12 @@ class CurveView(View):
         """Per-layer divergence at the chosen token (per token for a model-level site); returns the values drawn."""
         ax = fresh_axes(fig, left=0.13, bottom=0.14, top=0.9)
         token = None if v.token is None else min(v.token, res.tokens.shape[1] - 1)
-        layer_curve(res, ax, token=token, site=v.site, metric=v.metric, seq=v.seq)
+        drawn = _draw_curve(res, ax, token, v.site, v.metric, v.seq)
         ax.yaxis.get_label().set_fontsize(8)
         if ax.get_yscale() == "log":     # a few decades labelled, no minor ticks: a third of the drawing time
             from matplotlib.ticker import LogLocator, NullLocator  # noqa: PLC0415
             ax.yaxis.set_major_locator(LogLocator(numticks=6))
             ax.yaxis.set_minor_locator(NullLocator())
-        drawn = curve_values(res, v.site, v.metric, v.seq, token)[0]
         if v.site in MODEL_SITES:
             ax.set_title(f"'{v.site}' {v.metric} per token (a model-level site), seq {v.seq}", fontsize=10,
                          y=TITLE_Y)

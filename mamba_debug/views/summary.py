@@ -31,16 +31,17 @@ def per_layer(res: CompareResult) -> list[dict]:
             key = (i, site)
             if key not in res.errors:
                 continue
-            thr = res.thresholds[key]
-            own = int((res.token_thresholds(key) > thr).sum())      # tokens judged by their own floor (OUTLIER)
+            thr, tok = res.thresholds[key], res.token_thresholds(key)
+            own = int((tok > thr).sum())      # tokens judged by their own floor (trace.OUTLIER)
             sites[site] = {"max_rel_l2": _err(res, key), "floor": json_num(nanmax(res.floor[key])),
                            "threshold": json_num(thr), **({"outlier_tokens": own} if own else {})}
             if not res.is_observed(key):
                 continue
-            ratio = nanmax(res.ratio(key)) if thr > 0 else math.inf
+            err = res.errors[key]["rel_l2"]
+            ratio = nanmax(err / tok) if thr > 0 else math.inf
             if ratio > worst[0] or math.isnan(ratio):
                 worst = (ratio, site)
-            ex = torch.nonzero(res.exceed(key).any(0))
+            ex = torch.nonzero((err > tok).any(0))
             if ex.numel() and (first_bad is None or int(ex[0]) < first_bad["token"]):
                 first_bad = {"token": int(ex[0]), "site": site}
         row = {"layer": i, "on_device": res.placement.on_device(i),
