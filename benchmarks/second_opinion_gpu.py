@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=0 python3 benchmarks/second_opinion_gpu.py     # one NVIDIA GPU
     python3 benchmarks/second_opinion_gpu.py --small                # checks the script on a CPU (tiny shapes)
+    add --mamba2 for part 3
 
 1. The shipped model's cancelling first token (research/threshold_conditioning, 5 sequences, offload 12, one
    ubatch) on the GPU: the verdict, and whether a second opinion was wanted there (it depends on the rounding).
@@ -9,6 +10,10 @@
    the GPU: the Triton kernels (clean: no second opinion), then the same with y off by a relative 1e-4 (a small real
    bug: its first divergence sits within 100x its threshold, so the two nudged runs follow): the first run's
    seconds, the second opinion's, the peak GPU memory, the answer before and after.
+3. (--mamba2) A Mamba-2 2.7B-shaped model (reference_gpu.py's, chunk 256), 2048 + 4 tokens, ubatch 32 (an H100's
+   80 GB), every site, reference on the GPU: mamba_ssm's chunked SSD form as the plug-in (float32 torch ops on the
+   GPU; a legitimate order whose rounding a second opinion's chunked sample covers), then the Triton Mamba-2 kernels
+   with y off by a relative 1e-4 (the second opinion taken, its last sample chunked: what that costs).
 Printed; rows to $OUT/second_opinion_gpu.json when $OUT is set.
 """
 from __future__ import annotations
@@ -38,6 +43,13 @@ def ssm_scan(s, x, dt, A, B, C, *, states_out=None):
     y, *rest = _scan(s, x, dt, A, B, C, states_out=states_out)
     return (y * (1 + 1e-4), *rest)
 OPS = {"ssm_scan": ssm_scan}
+'''
+BUG2 = BUG.replace("ssm_scan", "ssd_scan").replace('"triton"', '"triton_mamba2"')
+CHUNKED = '''"""Mamba-2's scan in mamba_ssm's chunked SSD form (float32 torch ops), the model's chunk size."""
+from mamba_debug.ops import ssd_scan_chunked
+def ssd_scan(s, x, dt, A, B, C, *, states_out=None):
+    return ssd_scan_chunked(s, x, dt, A, B, C, chunk_size=CHUNK, states_out=states_out)
+OPS = {"ssd_scan": ssd_scan}
 '''
 
 
@@ -71,6 +83,7 @@ def row(name, res, wall) -> dict:
            "before": answer(so.get("first_divergence_before", res.first_divergence)),
            "after": answer(res.first_divergence), "second_opinion": "none" if not so else
            ("confirmed" if so.get("confirmed") else "rounding" if so.get("taken") else "not taken"),
+           "chunked_ssd": so.get("chunked_ssd"),
            "verdict": md.verdict(res)}
     log(f"{name}: {out['seconds']} s (second opinion {out['second_opinion_s']} s, of which nudging the weights "
         f"{out['nudge_s']} s), peak {out['peak_gpu_gb']} GB, "
@@ -102,6 +115,21 @@ def big(kernels: str, name: str, device: str) -> dict:
     return row(name, res, time.perf_counter() - t)
 
 
+def big_mamba2(kernels: str, name: str, device: str) -> dict:
+    from reference_gpu import MAMBA2_2P7B, mamba2_params  # noqa: PLC0415
+    shape = dict(d_model=64, n_layer=2, vocab_size=97, d_state=16, head_dim=16, chunk_size=16) if SMALL_RUN else {}
+    cfg = MambaConfig(**dict(MAMBA2_2P7B, **shape), layer_types=("mamba2",) * (2 if SMALL_RUN else 64))
+    model = MambaModel(cfg, mamba2_params(cfg, 0, "cuda" if CUDA else "cpu"), source="random mamba_ssm init")
+    prompt = torch_randint(cfg.vocab_size, 64 if SMALL_RUN else 2048)
+    s = md.RunSettings(kernels=kernels, device=device, ubatch=40 if SMALL_RUN else 32, n_gen=4, capture="metrics",
+                       ref_device="cuda" if CUDA else "cpu", offload=cfg.n_layer)
+    reset_peak()
+    t = time.perf_counter()
+    res = md.run_compare(model, prompt, s)
+    sync()
+    return row(name, res, time.perf_counter() - t)
+
+
 def torch_randint(vocab: int, n: int) -> list:
     import torch  # noqa: PLC0415
     g = torch.Generator().manual_seed(7)
@@ -117,6 +145,13 @@ def main():
         shape = "small shape (--small)" if SMALL_RUN else "2.8B shape"
         rows.append(big("triton", f"{shape}, triton (clean)", device))
         rows.append(big(str(bug), f"{shape}, y off by 1e-4", device))
+        if "--mamba2" in sys.argv:
+            shape2 = "Mamba-2 small shape" if SMALL_RUN else "Mamba-2 2.7B shape"
+            chunked, bug2 = Path(tmp) / "ssd_chunked.py", Path(tmp) / "bug_ssd_y_1e4_triton.py"
+            chunked.write_text(CHUNKED.replace("CHUNK", "16" if SMALL_RUN else "256"))
+            bug2.write_text(BUG2)
+            rows.append(big_mamba2(str(chunked), f"{shape2}, mamba_ssm's chunked SSD (torch)", device))
+            rows.append(big_mamba2(str(bug2), f"{shape2}, triton_mamba2 with y off by 1e-4", device))
     print("\n| run | seconds | of which second opinion | peak GPU GB | first answer | final | second opinion |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from .errors import MambaDebugError
-from .ops import OpTable, TORCH_OPS
+from .ops import OpTable, TORCH_OPS, ssd_scan_chunked
 from .plugins import load_plugin
 from .settings import DEVICES, REF_DEVICES, resolve_device, resolve_ref_device  # noqa: F401 (re-exported)
 
@@ -50,11 +51,16 @@ def reference_backend(device: str | torch.device = "cpu") -> Backend:
                    f"reference: float64 torch ops on the {_where(device)}, sequential scan")
 
 
-def cpu_backend(device: str | torch.device = "cpu") -> Backend:
-    """float32 torch ops; on device="cuda" the same plain ops on the GPU (a reference side there, not a kernel)."""
+def cpu_backend(device: str | torch.device = "cpu", ssd_chunk: int | None = None) -> Backend:
+    """float32 torch ops; on device="cuda" the same plain ops on the GPU (a reference side there, not a kernel).
+    ssd_chunk: Mamba-2's scan in the chunked SSD form with chunks of this many tokens (a second opinion's sample of
+    a legitimate float32 order, `second_opinion.ssd_chunk`), else the sequential one."""
     device = _torch_device(device)
-    return Backend("cpu", OpTable("cpu", TORCH_OPS), torch.float32, device,
-                   f"cpu: float32 torch ops on the {_where(device)}")
+    ops, how = dict(TORCH_OPS), ""
+    if ssd_chunk is not None:
+        ops["ssd_scan"] = functools.partial(ssd_scan_chunked, chunk_size=ssd_chunk)
+        how = f", chunked SSD (Q={ssd_chunk})"
+    return Backend("cpu", OpTable("cpu", ops), torch.float32, device, f"cpu: float32 torch ops on the {_where(device)}{how}")
 
 
 def _where(device: torch.device) -> str:

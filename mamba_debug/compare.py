@@ -80,7 +80,7 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
             if ref_cache is None:       # not a sweep's cell (a sweep keeps its reference sides for the next)
                 give_back_freed_heap()
         t1 = time.perf_counter()
-        if second_opinion.take(res, lambda seed: _nudged_floors(model, seed, s, tokens, res.tokens, ref_cache)):
+        if second_opinion.take(res, lambda seed: _nudged_floors(model, seed, s, tokens, res.tokens, ref_cache), cfg):
             res.timings["second_opinion_s"] = time.perf_counter() - t1
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
@@ -138,7 +138,8 @@ def _nudged_floors(model: Model, seed: int, s: RunSettings, prompts: torch.Tenso
     placement = ns.placement(model.config.n_layer)
     try:
         nudged = second_opinion.nudged(model, seed, on_gpu)
-        sides = build_sides(nudged, ns, placement, ref_device, SharedReference(None))
+        sides = build_sides(nudged, ns, placement, ref_device, SharedReference(None),
+                            ssd_chunk=second_opinion.ssd_chunk(model.config, seed))
         try:
             res = _run_sides(nudged, ns, sides, prompts, placement, ns.seq_groups(prompts.shape[0]),
                              lambda a, b: SharedReference(None), None, forced=fed)
@@ -151,11 +152,13 @@ def _nudged_floors(model: Model, seed: int, s: RunSettings, prompts: torch.Tenso
     return res.floor
 
 
-def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.device, shared: SharedReference) -> dict:
+def build_sides(model: Model, s: RunSettings, placement, ref_device: torch.device, shared: SharedReference,
+                ssd_chunk: Optional[int] = None) -> dict:
     """The sides of one comparison, by role. The reference sides run plain torch ops on `ref_device`; the device
-    side shares their float32 host blocks (prefix_from=ref32)."""
+    side shares their float32 host blocks (prefix_from=ref32). ssd_chunk: the float32 reference's Mamba-2 scan in
+    the chunked SSD form (a second opinion's sample)."""
     to_host = s.ref_device == "cpu"
-    host = cpu_backend(ref_device)
+    host = cpu_backend(ref_device, ssd_chunk)
     ref64_backend = reference_backend(ref_device)
     devs = device_backends(s.kernels, s.device, s.devices, uses=model_ops(model.config)) if s.engine == "torch" \
         else None

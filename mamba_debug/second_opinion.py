@@ -9,9 +9,12 @@ float32 weights each moved one float32 ulp, up or down by a seeded hash: the sam
 another sample of the floor at every site and token. The floor becomes the largest sample; thresholds
 and the first divergence are found again; the result keeps both answers (`res.second_opinion`).
 
-What it does not cover: an algorithm that is itself less accurate than the sequential float32 reference (a chunked
-scan ~10 ulps off) stays a divergence, since every sample is of the reference's own rounding. Only the torch engine:
-llama.cpp's verdict recomputes each node in float32 by other means (`sides.llamacpp.precision`).
+A Mamba-2 layer's scan has a second legitimate float32 order: the chunked SSD form (mamba_ssm's kernels and the
+model authors' code: a cumulative sum of δA per chunk, exponentials of its differences), whose rounding is several
+times the sequential scan's at long ubatches (research/threshold_conditioning: mamba_ssm's form read DIVERGED at
+1.1x with sequential samples alone). So the last seed's float32 reference runs that form, with the model's chunk
+size (`ssd_chunk`): a floor then covers both orders. Only the torch engine: llama.cpp's verdict recomputes each node
+in float32 by other means (`sides.llamacpp.precision`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .arch import model_ops
 from .budget import available_host_bytes
 from .errors import MambaDebugError
 from .model import Model, once_per_tensor
@@ -36,6 +40,12 @@ def wanted(res: CompareResult) -> bool:
     fd = res.first_divergence
     return (fd is not None and not fd["nan"] and not res.judged and res.settings.engine == "torch"
             and fd["error"] <= SECOND_OPINION_BELOW * fd["threshold"])
+
+
+def ssd_chunk(config, seed: int) -> Optional[int]:
+    """The chunk size of the chunked SSD form that seed's float32 reference runs Mamba-2's scan in (the last seed, a
+    model with an ssd_scan: its config's chunk_size), else None (the sequential scan)."""
+    return config.chunk_size if seed == SEEDS[-1] and "ssd_scan" in model_ops(config) else None
 
 
 def nudged(model: Model, seed: int, device: Optional[torch.device] = None) -> Model:
@@ -83,9 +93,10 @@ def _moved(v: torch.Tensor, seed: int) -> torch.Tensor:
     return out.view(v.shape)
 
 
-def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS) -> None:
+def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS, chunked_ssd: Optional[int] = None) -> None:
     """Judge again with each site's floor the largest of its samples (the run's own and `samples`: floor dicts of
-    the nudged runs, the same keys and shapes); record the first answer in `res.second_opinion`."""
+    the nudged runs, the same keys and shapes); record the first answer in `res.second_opinion`. chunked_ssd: the
+    chunk size of a sample whose Mamba-2 scan ran in the chunked SSD form (None: every sample sequential)."""
     before, first = res.first_divergence, res.thresholds
     res.floor = {k: torch.stack([f] + [s[k] for s in samples]).amax(0) for k, f in res.floor.items()}
     # more samples never lower a threshold: a token whose larger sample crosses OUTLIER x the median leaves the site's
@@ -94,7 +105,8 @@ def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS) -> None:
     res.first_divergence = find_first_divergence(res)
     res.second_opinion = {"taken": True, "samples": len(samples), "seeds": list(seeds),
                           "below": SECOND_OPINION_BELOW, "first_divergence_before": before,
-                          "confirmed": res.first_divergence is not None}
+                          "confirmed": res.first_divergence is not None,
+                          **({"chunked_ssd": chunked_ssd} if chunked_ssd is not None else {})}
 
 
 def not_taken(res: CompareResult, why: str) -> None:
@@ -103,9 +115,10 @@ def not_taken(res: CompareResult, why: str) -> None:
                           "first_divergence_before": res.first_divergence, "confirmed": None}
 
 
-def take(res: CompareResult, floors_of: Callable[[int], dict]) -> bool:
-    """Run the second opinion when `wanted` (True when it was): floors_of(seed) -> the floors of the model nudged by
-    that seed (compare's loop over the same tokens, schedule and generated tokens). A budget check refusing a
+def take(res: CompareResult, floors_of: Callable[[int], dict], config) -> bool:
+    """Run the second opinion when `wanted` (True when it was): floors_of(seed) -> the floors of the model (config)
+    nudged by that seed (compare's loop over the same tokens, schedule and generated tokens; the last seed's Mamba-2
+    scan chunked, `ssd_chunk`). A budget check refusing a
     sample run leaves it `not_taken`, saying why."""
     if not wanted(res):
         return False
@@ -116,7 +129,7 @@ def take(res: CompareResult, floors_of: Callable[[int], dict]) -> bool:
         except MambaDebugError as e:            # the nudged copy or its run does not fit
             not_taken(res, str(e))
             return True
-    merge(res, samples)
+    merge(res, samples, chunked_ssd=ssd_chunk(config, SEEDS[-1]))
     return True
 
 
@@ -139,15 +152,17 @@ def words(res: CompareResult) -> Optional[str]:
     at = f"token {b['token']} (seq {b['seq']}), {_where(b)} '{b['site']}' at {b['error'] / b['threshold']:.2g}x"
     if not so["taken"]:
         return f"second opinion not taken ({so['why']}): the first answer, {at} its threshold, stands"
+    q = so.get("chunked_ssd")
+    more = (f"{so['samples']} more float32 samples of the floor (the weights moved one ulp"
+            + (f"; one with Mamba-2's scan in the chunked SSD form, Q={q})" if q else ")"))
     if not so["confirmed"]:
-        return (f"{at} its threshold was re-judged against {so['samples']} more float32 samples of the floor (the "
-                f"weights moved one ulp): rounding at an ill-conditioned token, not a divergence")
+        why = "at an ill-conditioned token or of the chunked scan's order" if q else "at an ill-conditioned token"
+        return f"{at} its threshold was re-judged against {more}: rounding {why}, not a divergence"
     now = res.first_divergence
     if now is not None and (now["token"], now["seq"], now["layer"], now["site"]) != \
             (b["token"], b["seq"], b["layer"], b["site"]):
-        return (f"{at} its threshold was within {so['samples']} more float32 samples of the floor; the verdict's "
-                f"divergence is past them too")
-    return f"confirmed against {so['samples']} more float32 samples of the floor (first seen: {at} its threshold)"
+        return f"{at} its threshold was within {more}; the verdict's divergence is past them too"
+    return f"confirmed against {more} (first seen: {at} its threshold)"
 
 
 def _where(fd: dict) -> str:

@@ -260,3 +260,44 @@ def test_a_sweep_cell_says_its_second_opinion(model, small_bug):
     texts = [t.get_text() for t in ax.texts]
     assert any(t.split("\n")[0].endswith("*") for t in texts) and "second opinion" in ax.get_title()
     plt.close(fig)
+
+
+CHUNKED = '''"""Mamba-2's scan in mamba_ssm's chunked SSD form (cumsum of dA, exponentials of its differences), float32."""
+from mamba_debug.ops import ssd_scan_chunked
+def ssd_scan(s, x, dt, A, B, C, *, states_out=None):
+    return ssd_scan_chunked(s, x, dt, A, B, C, chunk_size=64, states_out=states_out)
+OPS = {"ssd_scan": ssd_scan}
+'''
+
+
+def test_mamba_ssms_chunked_scan_reads_as_rounding(tmp_path):
+    """The chunked SSD form errs several times the sequential scan at a long ubatch (a legitimate float32 order):
+    it read DIVERGED at token 55, layer 6 (1.1-1.2x its threshold) with sequential samples alone. The last sample
+    runs the float32 reference's scan in that form, so the floor covers both orders."""
+    m = md.load_model("tiny-granite-hybrid")
+    plugin = tmp_path / "ssd_chunked.py"
+    plugin.write_text(CHUNKED)
+    ids = m.encode((md.io.DATA_DIR / "tiny-mamba" / "val.txt").read_text()[:200000])[:256]
+    res = md.run_compare(m, ids, md.RunSettings(kernels=str(plugin), offload=m.config.n_layer, ubatch=512, n_gen=0))
+    assert res.first_divergence is None, md.verdict(res)
+    so = res.second_opinion
+    assert so is not None and so["taken"] and so["chunked_ssd"] == m.config.chunk_size == 64
+    assert "chunked SSD form, Q=64" in summary(res)
+
+
+def test_only_a_mamba2_models_last_sample_is_chunked(model):
+    m2 = md.load_model("tiny-mamba2").config
+    assert [second_opinion.ssd_chunk(m2, s) for s in second_opinion.SEEDS] == [None, m2.chunk_size]
+    assert [second_opinion.ssd_chunk(model.config, s) for s in second_opinion.SEEDS] == [None, None]
+
+
+def test_a_small_mamba2_bug_stands_past_the_chunked_sample(tmp_path):
+    """y off by 3e-5 in Mamba-2's scan: still found at layer 0's y_scan, token 0, past every sample."""
+    m = md.load_model("tiny-mamba2")
+    plugin = tmp_path / "bug_ssd_y.py"
+    plugin.write_text(BUG.replace("ssm_scan", "ssd_scan").replace("1e-4", "3e-5"))
+    ids = m.encode((md.io.DATA_DIR / "tiny-mamba" / "val.txt").read_text()[:200000])[:256]
+    res = md.run_compare(m, ids, md.RunSettings(kernels=str(plugin), offload=m.config.n_layer, ubatch=512, n_gen=0))
+    fd, so = res.first_divergence, res.second_opinion
+    assert so["taken"] and so["confirmed"] and so["chunked_ssd"] == 64
+    assert (fd["token"], fd["layer"], fd["site"]) == (0, 0, "y_scan") and fd["error"] > 1.2 * fd["threshold"]
