@@ -436,10 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list_kernels)
 
     from .io.gguf import DTYPES  # noqa: PLC0415
-    p = sub.add_parser("export-gguf", help="write the model as a llama.cpp GGUF (architecture mamba)",
-                       description="Write a Mamba-1 model as a GGUF file that llama.cpp loads (same keys, tensor "
-                                   "names and shapes as llama.cpp's convert_hf_to_gguf.py). Norms, conv, x/dt "
-                                   "projections, A and D stay F32; --dtype sets the embedding, in_proj and out_proj.")
+    p = sub.add_parser("export-gguf", help="write the model as a llama.cpp GGUF (architecture mamba, mamba2 or "
+                                           "granitehybrid)",
+                       description="Write a Mamba-1, Mamba-2 or hybrid (Granite-4.0-H-shaped) model as a GGUF file "
+                                   "that llama.cpp loads (same keys, tensor names and shapes as llama.cpp's "
+                                   "convert_hf_to_gguf.py). Norms, conv, A and D stay F32 (Mamba-1's x and dt "
+                                   "projections too); --dtype sets the embedding and the other matrices (in_proj, "
+                                   "out_proj, attention and feed-forward weights).")
     p.add_argument("--out", required=True, help="the .gguf file to write")
     add_model_flags(p, prompt=False)
     p.add_argument("--dtype", default="f32", choices=list(DTYPES),
