@@ -220,9 +220,11 @@ def _whole_node_clause(loc: dict) -> str:
         return text
     where = f"layer {first['layer']}" if first["layer"] is not None else "outside the layers"
     fault = loc.get("first_fault") is not None
+    emulated = first.get("emulated_error")
     why = ("the error is born there; the nodes after it inherit" if fault else
-           f"within its reduced-precision path's limit {first.get('limit', loc['tf32_limit']):.2g} ({first['path']}): "
-           f"precision")
+           f"within its reduced-precision path's limit {first.get('limit', loc['tf32_limit']):.2g} ({first['path']})"
+           + (f" and within the FP32 floor of its activations' rounding, emulated ({emulated:.2g})"
+              if emulated is not None else "") + ": precision")
     past = f"its path's limit {first['threshold']:.2g}" if fault else f"the FP32 floor {loc['threshold']:.2g}"
     return (f": first past {past}: {where} '{first['site']}' "
             f"({first['op']} {first['name']}, ubatch {first['ubatch']}) at {first['error']:.3g}, {why}")

@@ -27,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 
+from .activations import EMULATED, Q8_FORMS, rounded
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -195,9 +196,10 @@ class LocalErrors:
     not excuse (`excused`); and, with `ubatch_shape` set, each node's per-token errors per (ubatch, group) for
     `at_token`, and its worst token (`worst_token`)."""
 
-    def __init__(self, k_floor: float, device=None):
+    def __init__(self, k_floor: float, device=None, emulate: bool = False):
         self.k = k_floor
         self.device = device            # a torch device for MUL_MAT's recompute (cuda: see _mul_mat_error)
+        self.emulate = emulate          # a CPU build: narrow weights' activation rounding emulated (activations.py)
         self._on_device: dict = {}      # id of a weight's float64 array -> (the array, its tensor on `device`)
         self.mul_mat_on = {str(device): 0, "host": 0} if device is not None else {"host": 0}
         self.worst: dict = {}
@@ -243,18 +245,43 @@ class LocalErrors:
             if old is None or err > old["error"]:
                 self.explained[key] = {**where, "fp32_recompute": oracle_err}
             return
+        limit, judged = path_limit(path, self.k), err
+        emulated = self._emulated(node, srcs, got, weights) if err > self.k * FP32_FLOOR else None
+        if emulated is not None:        # against what its activations' rounding gives: FP32-sized when clean
+            where["emulated_error"] = emulated
+            limit, judged = self.k * FP32_FLOOR, emulated
         if self.first is None and err > self.k * FP32_FLOOR:
             self.first = {**where, "threshold": self.k * FP32_FLOOR, "limit": path_limit(path, self.k),
                           "index": node.index}
-        limit = path_limit(path, self.k)
-        if err > limit:
+        if judged > limit:
             if self.fault is None:
-                self.fault = {**where, "threshold": limit}
+                self.fault = {**where, "threshold": limit, **({"error": judged, "plain_error": err,
+                                                              "path": path[:-1] + ", emulated)"} if emulated else {})}
         elif err > self.k * FP32_FLOOR:
             old = self.excused.get((key, path))
             if old is None or err > old["error"]:       # its worst error, where the node first passed the floor
-                self.excused[(key, path)] = {**where, "floor": path_floor(path), "limit": limit, "index": node.index,
+                self.excused[(key, path)] = {**where, "floor": path_floor(path), "limit": path_limit(path, self.k),
+                                             "index": node.index,
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
+
+    def _emulated(self, node, srcs: list, got: np.ndarray, weights: int) -> Optional[float]:
+        """A CPU build's MUL_MAT of f16, bf16 or q8_0 weights: its local error against the float64 product of its
+        weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0: the least over its
+        quantizer's forms, a build uses one); None where not emulated."""
+        name = WEIGHT_TYPES.get(weights)
+        if not self.emulate or node.op != "MUL_MAT" or name not in EMULATED or any(a is None for a in srcs[:2]):
+            return None
+        errs = []
+        for form in (Q8_FORMS if name == "q8_0" else Q8_FORMS[:1]):
+            x = rounded(srcs[1], name, form)
+            want = None if x is None else recompute("MUL_MAT", [srcs[0].astype(np.float64, copy=False), x],
+                                                    got.shape, ())
+            if want is None or want.shape != got.shape:
+                return None
+            errs.append(rel_l2(got.astype(np.float64), want))
+            if errs[-1] <= self.k * FP32_FLOOR:
+                break
+        return min(errs)
 
     def _keep_rows(self, node, path: str, err, rows, oracle, u: int, first_seq: int):
         """Keep what at_token reads: per node of the ubatch its per-token errors (S, T) and, where a row passed the

@@ -5,7 +5,8 @@ then drifts past k x the float32 floor from the first such matmul on, and every 
 error cannot tell that from a fault, so when a run used a reduced-precision path the verdict reads each node's
 *local* error (its op recomputed in float64 from the inputs it really read, local.py):
 - some node past its own path's limit (FP32 nodes: k x the FP32 floor, as on the CPU; TF32 nodes: TF32_LIMIT; the
-  matmuls of a GGUF's f16, bf16 or quantized weights, on either backend: 4x their family's floor, local.py) ->
+  matmuls of a GGUF's f16, bf16 or quantized weights: 4x their family's floor, local.py, except on a CPU build for
+  f16, bf16 and q8_0, where k x the FP32 floor against their activations' rounding emulated, activations.py) ->
   the first divergence is that node;
 - none -> `first_divergence` None (exit 0) and a `precision` list: the reduced-precision nodes whose error the FP32
   threshold would not excuse, with their path, error and floor, and the switch that removes each where one exists.
@@ -54,12 +55,16 @@ def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
     paths = sorted({_family(r["path"]) for r in items})
     first = items[0]
     where = "the output head" if first["layer"] is None else f"layer {first['layer']}"
+    emulated = [r["emulated_error"] for r in items if "emulated_error" in r]
     return None, {
         "text": f"precision: {' and '.join(paths)} from {where} ({first['site']}); {len(items)} reduced-"
-                f"precision node(s), each within its path's floor; no node past its own limit",
+                f"precision node(s), each within its path's floor; no node past its own limit"
+                + (f"; {len(emulated)} of them within the FP32 floor of their activations' rounding, emulated "
+                   f"(worst {max(emulated):.2g})" if emulated else ""),
         "drift_from": fd, "switches": sorted({SWITCHES[p if p.startswith("TF32") else "weights"] for p in paths}),
         "items": [{"layer": r["layer"], "site": r["site"], "node": r["name"], "op": r["op"], "path": r["path"],
-                   "error": r["error"], "floor": r["floor"], "limit": r["limit"], "ubatch": r["ubatch"]}
+                   "error": r["error"], "floor": r["floor"], "limit": r["limit"], "ubatch": r["ubatch"],
+                   **({"emulated_error": r["emulated_error"]} if "emulated_error" in r else {})}
                   for r in items]}
 
 

@@ -1,0 +1,62 @@
+"""ggml's CPU rounding of a MUL_MAT's activations before the dot products with narrower weights, emulated.
+
+ggml's CPU back-end converts a matmul's activations (src1) to its weights' dot-product type first (vec_dot_type):
+f16 weights -> f16, bf16 -> bf16, q8_0 -> blocks of 32 values as int8 with one f16 scale each (d = amax / 127,
+q = x / d rounded to an integer). The dot products are then exact in the integers (q8_0) or float32 sums of exact
+products (f16, bf16). So the float64 product of the dequantized weights with the activations rounded this way is
+what the node computes, up to float32 sums: a clean node's local error against it is FP32-sized (1e-7 on the
+shipped model at -ub 1 and 8, 2026-12-06), against the plain float64 product 1e-4 (f16) to 1e-2 (q8_0). A node's
+error past k x the FP32 floor against the emulation is its own fault, however small beside the rounding.
+
+Only the types verified against a CPU build are emulated (`EMULATED`); others (q4_0, q4_1, the K-quants' q8_K
+activations) keep their family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
+cuBLAS on converted operands): only a build without a GPU is emulated, so that no node ran elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+EMULATED = ("f16", "bf16", "q8_0")      # weight types whose activation rounding is emulated (ggml type names)
+Q8_BLOCK = 32
+
+
+# ggml's quantize_row_q8_0 in its three forms: x86's SIMD (1 / d as 127 / amax, halves to even), ARM's NEON (1 / d,
+# halves to even), the scalar reference (1 / d, C's roundf: halves away from zero). A build uses one; they differ only
+# where x / d lands within an ulp of a half (one value in ~10^5: on the shipped model at ubatch 512 one token's row).
+Q8_FORMS = ("x86", "arm", "scalar")
+
+
+def rounded(x: np.ndarray, weights: str, form: str = "x86") -> Optional[np.ndarray]:
+    """x (..., K) as float64 after ggml's CPU rounds it for weights of type `weights`, or None when not emulated.
+    form: q8_0's quantizer (Q8_FORMS)."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if weights == "f16":
+        return x32.astype(np.float16).astype(np.float64)
+    if weights == "bf16":
+        return _bf16(x32)
+    if weights == "q8_0" and x32.shape[-1] % Q8_BLOCK == 0:
+        return _q8_0(x32, form)
+    return None
+
+
+def _bf16(x32: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 by round-to-nearest-even (ggml_compute_fp32_to_bf16; NaN stays NaN), as float64."""
+    u = x32.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    out = r.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isnan(x32), np.nan, out)
+
+
+def _q8_0(x32: np.ndarray, form: str) -> np.ndarray:
+    """quantize_row_q8_0 then dequantized: per block of 32, d = amax / 127 (float32), q = round(x * (1 / d)), the
+    block's scale kept as f16."""
+    b = x32.reshape(-1, Q8_BLOCK)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    d = amax / np.float32(127)
+    top, den = (np.float32(127), amax) if form == "x86" else (np.float32(1), d)
+    inv = np.divide(top, den, out=np.zeros_like(d), where=amax > 0)
+    v = b * inv
+    q = np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5) if form == "scalar" else np.rint(v)
+    return (q.astype(np.float64) * d.astype(np.float16).astype(np.float64)).reshape(x32.shape)
