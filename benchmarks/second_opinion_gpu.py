@@ -12,8 +12,8 @@
    seconds, the second opinion's, the peak GPU memory, the answer before and after.
 3. (--mamba2) A Mamba-2 2.7B-shaped model (reference_gpu.py's, chunk 256), 2048 + 4 tokens, ubatch 32 (an H100's
    80 GB), every site, reference on the GPU: mamba_ssm's chunked SSD form as the plug-in (float32 torch ops on the
-   GPU; a legitimate order whose rounding a second opinion's chunked sample covers), then the Triton Mamba-2 kernels
-   with y off by a relative 1e-4 (the second opinion taken, its last sample chunked: what that costs).
+   GPU; a legitimate order, declared SSD_CHUNK, whose rounding a second opinion's chunked sample covers), then the
+   Triton Mamba-2 kernels with y off by a relative 1e-4 (the second opinion taken, sequential samples).
 Printed; rows to $OUT/second_opinion_gpu.json when $OUT is set.
 """
 from __future__ import annotations
@@ -47,8 +47,9 @@ OPS = {"ssm_scan": ssm_scan}
 BUG2 = BUG.replace("ssm_scan", "ssd_scan").replace('"triton"', '"triton_mamba2"')
 CHUNKED = '''"""Mamba-2's scan in mamba_ssm's chunked SSD form (float32 torch ops), the model's chunk size."""
 from mamba_debug.ops import ssd_scan_chunked
+SSD_CHUNK = CHUNK           # declared: the second opinion samples this order too
 def ssd_scan(s, x, dt, A, B, C, *, states_out=None):
-    return ssd_scan_chunked(s, x, dt, A, B, C, chunk_size=CHUNK, states_out=states_out)
+    return ssd_scan_chunked(s, x, dt, A, B, C, chunk_size=SSD_CHUNK, states_out=states_out)
 OPS = {"ssd_scan": ssd_scan}
 '''
 

@@ -54,13 +54,14 @@ def reference_backend(device: str | torch.device = "cpu") -> Backend:
 def cpu_backend(device: str | torch.device = "cpu", ssd_chunk: int | None = None) -> Backend:
     """float32 torch ops; on device="cuda" the same plain ops on the GPU (a reference side there, not a kernel).
     ssd_chunk: Mamba-2's scan in the chunked SSD form with chunks of this many tokens (a second opinion's sample of
-    a legitimate float32 order, `second_opinion.ssd_chunk`), else the sequential one."""
+    the order a plug-in declares, `second_opinion.ssd_chunk`), else the sequential one."""
     device = _torch_device(device)
     ops, how = dict(TORCH_OPS), ""
     if ssd_chunk is not None:
         ops["ssd_scan"] = functools.partial(ssd_scan_chunked, chunk_size=ssd_chunk)
         how = f", chunked SSD (Q={ssd_chunk})"
-    return Backend("cpu", OpTable("cpu", ops), torch.float32, device, f"cpu: float32 torch ops on the {_where(device)}{how}")
+    return Backend("cpu", OpTable("cpu", ops), torch.float32, device,
+                   f"cpu: float32 torch ops on the {_where(device)}{how}")
 
 
 def _where(device: torch.device) -> str:
@@ -90,6 +91,11 @@ def device_backend(kernels: str | None = "triton", device: str | None = None, us
         where += f" (plug-in '{name}' replaces none of the ops this model calls: {', '.join(sorted(plugin.ops))})"
     return Backend(f"device:{name}", OpTable(name, ops, supports_states_out), torch.float32, torch_device,
                    f"device {device}: float32 {what} {where}".replace("  ", " "))
+
+
+def declared_ssd_chunk(kernels: str | None, device: str | None) -> int | None:
+    """The chunk size a plug-in declares for its chunked ssd_scan (its SSD_CHUNK), None for torch or none declared."""
+    return None if kernels in (None, "torch") else load_plugin(kernels, resolve_device(device)).ssd_chunk
 
 
 def device_backends(kernels: str | None, device: str | None, devices=None, uses=None) -> list:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .arch import model_ops
-from .backends import cpu_backend, cpu_threads_for, device_backends, reference_backend
+from .backends import cpu_backend, cpu_threads_for, declared_ssd_chunk, device_backends, reference_backend
 from .budget import check_budget, check_gpu_memory, check_host_memory, give_back_freed_heap
 from .budget import comparison_gpu_bytes, ubatch_capture_bytes  # noqa: F401 (their home before the restructure)
 from .errors import MambaDebugError
@@ -80,7 +80,9 @@ def run_compare(model: Model, prompt_ids, settings: Optional[RunSettings] = None
             if ref_cache is None:       # not a sweep's cell (a sweep keeps its reference sides for the next)
                 give_back_freed_heap()
         t1 = time.perf_counter()
-        if second_opinion.take(res, lambda seed: _nudged_floors(model, seed, s, tokens, res.tokens, ref_cache), cfg):
+        declared = declared_ssd_chunk(s.kernels, s.device) if s.engine == "torch" else None
+        floors_of = lambda seed: _nudged_floors(model, seed, s, tokens, res.tokens, ref_cache, declared)  # noqa: E731
+        if second_opinion.take(res, floors_of, cfg, declared):
             res.timings["second_opinion_s"] = time.perf_counter() - t1
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
@@ -122,14 +124,16 @@ def _run_sides(model: Model, s: RunSettings, sides: dict, tokens: torch.Tensor, 
 
 
 def _nudged_floors(model: Model, seed: int, s: RunSettings, prompts: torch.Tensor, fed: torch.Tensor,
-                   ref_cache: Optional[dict]) -> dict:
+                   ref_cache: Optional[dict], declared: Optional[int] = None) -> dict:
     """The floors of a second opinion's sample (second_opinion.py): the references of the model nudged by `seed`
-    over the run's prompts, schedule and generated tokens (`fed`), no device layers, metrics only. A sweep keeps
-    them beside its shared reference runs (they depend on nothing else)."""
+    over the run's prompts, schedule and generated tokens (`fed`), no device layers, metrics only; declared: the
+    plug-in's SSD_CHUNK (`second_opinion.ssd_chunk`). A sweep keeps them beside its shared reference runs (they
+    depend on nothing else)."""
+    chunk = second_opinion.ssd_chunk(model.config, seed, declared)
     cache = _cache_for(ref_cache, model, prompts, s)
     kept = None if cache is None else cache.setdefault("nudged_floors", {})
-    if kept is not None and seed in kept:
-        return kept[seed]
+    if kept is not None and (seed, chunk) in kept:
+        return kept[(seed, chunk)]
     ns = s.replace(offload=0, capture="metrics", local=False, repeat=1).validated(model.config)
     ref_device = resolve_ref_device(ns.ref_device)
     on_gpu = ref_device if ref_device.type == "cuda" else None
@@ -138,8 +142,7 @@ def _nudged_floors(model: Model, seed: int, s: RunSettings, prompts: torch.Tenso
     placement = ns.placement(model.config.n_layer)
     try:
         nudged = second_opinion.nudged(model, seed, on_gpu)
-        sides = build_sides(nudged, ns, placement, ref_device, SharedReference(None),
-                            ssd_chunk=second_opinion.ssd_chunk(model.config, seed))
+        sides = build_sides(nudged, ns, placement, ref_device, SharedReference(None), ssd_chunk=chunk)
         try:
             res = _run_sides(nudged, ns, sides, prompts, placement, ns.seq_groups(prompts.shape[0]),
                              lambda a, b: SharedReference(None), None, forced=fed)
@@ -148,7 +151,7 @@ def _nudged_floors(model: Model, seed: int, s: RunSettings, prompts: torch.Tenso
     except torch.cuda.OutOfMemoryError as exc:
         raise MambaDebugError(f"a nudged run did not fit on the GPU ({str(exc).splitlines()[0]})") from None
     if kept is not None:
-        kept[seed] = res.floor
+        kept[(seed, chunk)] = res.floor
     return res.floor
 
 

@@ -5,6 +5,9 @@ A plug-in is a Python file with a module-level `OPS = {"op_name": callable, ...}
 
     NAME, DESCRIPTION          what it is
     SUPPORTS_STATES_OUT        False if its ssm_scan cannot fill `states_out` (default True)
+    SSD_CHUNK                  Q if its ssd_scan computes Mamba-2's scan in the chunked SSD form (mamba_ssm's order:
+                               a cumulative sum of dA per chunk of Q tokens, exponentials of its differences): a
+                               second opinion then samples that order's float32 rounding too (second_opinion.py)
     BUG                        for a deliberately buggy variant: a dict with "bug", "incident",
                                "symptom" and "expect" (the settings and first divergence it must show)
 
@@ -39,6 +42,7 @@ class Plugin:
     description: str
     ops: dict[str, Callable]
     supports_states_out: bool = True
+    ssd_chunk: int | None = None
     bug: dict | None = None
     module: object = field(default=None, repr=False)
 
@@ -137,7 +141,18 @@ def _exec_plugin(path: Path, device: str) -> Plugin:
         ops={k: checked_op(name, k, fn, check_states_out=not path.resolve().is_relative_to(KERNELS_DIR.resolve()))
              for k, fn in ops.items()},
         supports_states_out=bool(getattr(module, "SUPPORTS_STATES_OUT", True)),
-        bug=getattr(module, "BUG", None), module=module)
+        ssd_chunk=_ssd_chunk(module, path), bug=getattr(module, "BUG", None), module=module)
+
+
+def _ssd_chunk(module, path: Path) -> int | None:
+    """The plug-in's SSD_CHUNK: None, or a positive int (a bool, a string or a float is refused naming the file)."""
+    q = getattr(module, "SSD_CHUNK", None)
+    if q is None:
+        return None
+    if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+        raise PluginError(f"plug-in {path}: SSD_CHUNK = {q!r}; it must be the chunk size of its chunked ssd_scan, a "
+                          f"positive int (or leave it out for a sequential scan)")
+    return q
 
 
 class _Shapes:

@@ -9,12 +9,14 @@ float32 weights each moved one float32 ulp, up or down by a seeded hash: the sam
 another sample of the floor at every site and token. The floor becomes the largest sample; thresholds
 and the first divergence are found again; the result keeps both answers (`res.second_opinion`).
 
-A Mamba-2 layer's scan has a second legitimate float32 order: the chunked SSD form (mamba_ssm's kernels and the
-model authors' code: a cumulative sum of δA per chunk, exponentials of its differences), whose rounding is several
-times the sequential scan's at long ubatches (research/threshold_conditioning: mamba_ssm's form read DIVERGED at
-1.1x with sequential samples alone). So the last seed's float32 reference runs that form, with the model's chunk
-size (`ssd_chunk`): a floor then covers both orders. Only the torch engine: llama.cpp's verdict recomputes each node
-in float32 by other means (`sides.llamacpp.precision`).
+A Mamba-2 layer's scan has a second legitimate float32 order: the chunked SSD form (mamba_ssm's kernels: a cumulative
+sum of δA per chunk, exponentials of its differences), whose rounding is several times the sequential scan's at long
+ubatches (research/threshold_conditioning: 13 of 60 random runs of a chunk-256 plug-in read DIVERGED). A plug-in
+that computes its scan so declares `SSD_CHUNK = Q`; the last seed's float32 reference then runs that form with
+chunks of Q (`ssd_chunk`), and the floor covers both orders. Not by default: the chunked sample raises y's
+thresholds ~2.5x at long ubatches, and a 5e-5 bug in y moved 1 to 4 layers later in 5 of 8 such runs with it.
+Only the torch engine: llama.cpp's verdict recomputes each node in float32 by other means
+(`sides.llamacpp.precision`).
 """
 from __future__ import annotations
 
@@ -42,10 +44,10 @@ def wanted(res: CompareResult) -> bool:
             and fd["error"] <= SECOND_OPINION_BELOW * fd["threshold"])
 
 
-def ssd_chunk(config, seed: int) -> Optional[int]:
-    """The chunk size of the chunked SSD form that seed's float32 reference runs Mamba-2's scan in (the last seed, a
-    model with an ssd_scan: its config's chunk_size), else None (the sequential scan)."""
-    return config.chunk_size if seed == SEEDS[-1] and "ssd_scan" in model_ops(config) else None
+def ssd_chunk(config, seed: int, declared: Optional[int]) -> Optional[int]:
+    """The chunk size of the chunked SSD form that seed's float32 reference runs Mamba-2's scan in: the plug-in's
+    declared SSD_CHUNK for the last seed of a model with an ssd_scan, else None (the sequential scan)."""
+    return declared if declared and seed == SEEDS[-1] and "ssd_scan" in model_ops(config) else None
 
 
 def nudged(model: Model, seed: int, device: Optional[torch.device] = None) -> Model:
@@ -93,10 +95,12 @@ def _moved(v: torch.Tensor, seed: int) -> torch.Tensor:
     return out.view(v.shape)
 
 
-def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS, chunked_ssd: Optional[int] = None) -> None:
+def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS, chunked_ssd: Optional[int] = None,
+          mamba2: bool = False) -> None:
     """Judge again with each site's floor the largest of its samples (the run's own and `samples`: floor dicts of
     the nudged runs, the same keys and shapes); record the first answer in `res.second_opinion`. chunked_ssd: the
-    chunk size of a sample whose Mamba-2 scan ran in the chunked SSD form (None: every sample sequential)."""
+    chunk size of a sample whose Mamba-2 scan ran in the chunked SSD form (None: every sample sequential); mamba2:
+    the model has one (the record then says `chunked_ssd` either way)."""
     before, first = res.first_divergence, res.thresholds
     res.floor = {k: torch.stack([f] + [s[k] for s in samples]).amax(0) for k, f in res.floor.items()}
     # more samples never lower a threshold: a token whose larger sample crosses OUTLIER x the median leaves the site's
@@ -106,7 +110,7 @@ def merge(res: CompareResult, samples: list, seeds: tuple = SEEDS, chunked_ssd: 
     res.second_opinion = {"taken": True, "samples": len(samples), "seeds": list(seeds),
                           "below": SECOND_OPINION_BELOW, "first_divergence_before": before,
                           "confirmed": res.first_divergence is not None,
-                          **({"chunked_ssd": chunked_ssd} if chunked_ssd is not None else {})}
+                          **({"chunked_ssd": chunked_ssd} if mamba2 else {})}
 
 
 def not_taken(res: CompareResult, why: str) -> None:
@@ -115,10 +119,10 @@ def not_taken(res: CompareResult, why: str) -> None:
                           "first_divergence_before": res.first_divergence, "confirmed": None}
 
 
-def take(res: CompareResult, floors_of: Callable[[int], dict], config) -> bool:
+def take(res: CompareResult, floors_of: Callable[[int], dict], config, declared: Optional[int] = None) -> bool:
     """Run the second opinion when `wanted` (True when it was): floors_of(seed) -> the floors of the model (config)
     nudged by that seed (compare's loop over the same tokens, schedule and generated tokens; the last seed's Mamba-2
-    scan chunked, `ssd_chunk`). A budget check refusing a
+    scan chunked where the plug-in declares it, `ssd_chunk`). A budget check refusing a
     sample run leaves it `not_taken`, saying why."""
     if not wanted(res):
         return False
@@ -129,7 +133,7 @@ def take(res: CompareResult, floors_of: Callable[[int], dict], config) -> bool:
         except MambaDebugError as e:            # the nudged copy or its run does not fit
             not_taken(res, str(e))
             return True
-    merge(res, samples, chunked_ssd=ssd_chunk(config, SEEDS[-1]))
+    merge(res, samples, chunked_ssd=ssd_chunk(config, SEEDS[-1], declared), mamba2="ssd_scan" in model_ops(config))
     return True
 
 
@@ -154,7 +158,7 @@ def words(res: CompareResult) -> Optional[str]:
         return f"second opinion not taken ({so['why']}): the first answer, {at} its threshold, stands"
     q = so.get("chunked_ssd")
     more = (f"{so['samples']} more float32 samples of the floor (the weights moved one ulp"
-            + (f"; one with Mamba-2's scan in the chunked SSD form, Q={q})" if q else ")"))
+            + (f"; one with Mamba-2's scan in the chunked SSD form, Q={q}, as the plug-in declares)" if q else ")"))
     if not so["confirmed"]:
         why = "at an ill-conditioned token or of the chunked scan's order" if q else "at an ill-conditioned token"
         return f"{at} its threshold was re-judged against {more}: rounding {why}, not a divergence"
@@ -162,7 +166,9 @@ def words(res: CompareResult) -> Optional[str]:
     if now is not None and (now["token"], now["seq"], now["layer"], now["site"]) != \
             (b["token"], b["seq"], b["layer"], b["site"]):
         return f"{at} its threshold was within {more}; the verdict's divergence is past them too"
-    return f"confirmed against {more} (first seen: {at} its threshold)"
+    hint = ("; a plug-in whose ssd_scan is chunked declares SSD_CHUNK to have that order sampled too"
+            if "chunked_ssd" in so and not q else "")
+    return f"confirmed against {more} (first seen: {at} its threshold){hint}"
 
 
 def _where(fd: dict) -> str:

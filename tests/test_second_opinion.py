@@ -264,38 +264,64 @@ def test_a_sweep_cell_says_its_second_opinion(model, small_bug):
 
 CHUNKED = '''"""Mamba-2's scan in mamba_ssm's chunked SSD form (cumsum of dA, exponentials of its differences), float32."""
 from mamba_debug.ops import ssd_scan_chunked
+SSD_CHUNK = 64
 def ssd_scan(s, x, dt, A, B, C, *, states_out=None):
-    return ssd_scan_chunked(s, x, dt, A, B, C, chunk_size=64, states_out=states_out)
+    return ssd_scan_chunked(s, x, dt, A, B, C, chunk_size=SSD_CHUNK, states_out=states_out)
 OPS = {"ssd_scan": ssd_scan}
 '''
 
 
-def test_mamba_ssms_chunked_scan_reads_as_rounding(tmp_path):
-    """The chunked SSD form errs several times the sequential scan at a long ubatch (a legitimate float32 order):
-    it read DIVERGED at token 55, layer 6 (1.1-1.2x its threshold) with sequential samples alone. The last sample
-    runs the float32 reference's scan in that form, so the floor covers both orders."""
-    m = md.load_model("tiny-granite-hybrid")
-    plugin = tmp_path / "ssd_chunked.py"
-    plugin.write_text(CHUNKED)
+def hybrid_run(tmp_path, source, name="tiny-granite-hybrid"):
+    m = md.load_model(name)
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(source)
     ids = m.encode((md.io.DATA_DIR / "tiny-mamba" / "val.txt").read_text()[:200000])[:256]
-    res = md.run_compare(m, ids, md.RunSettings(kernels=str(plugin), offload=m.config.n_layer, ubatch=512, n_gen=0))
+    return md.run_compare(m, ids, md.RunSettings(kernels=str(plugin), offload=m.config.n_layer, ubatch=512, n_gen=0))
+
+
+def test_mamba_ssms_chunked_scan_reads_as_rounding_when_its_plugin_says_so(tmp_path):
+    """The chunked SSD form errs several times the sequential scan at a long ubatch (a legitimate float32 order): it
+    read DIVERGED at token 55 (1.1-1.4x its threshold) with sequential samples alone. A plug-in declaring
+    SSD_CHUNK has its last sample's float32 reference scan so, and the floor covers both orders."""
+    res = hybrid_run(tmp_path, CHUNKED)
     assert res.first_divergence is None, md.verdict(res)
     so = res.second_opinion
-    assert so is not None and so["taken"] and so["chunked_ssd"] == m.config.chunk_size == 64
-    assert "chunked SSD form, Q=64" in summary(res)
+    assert so is not None and so["taken"] and so["chunked_ssd"] == 64
+    assert "chunked SSD form, Q=64, as the plug-in declares" in summary(res)
 
 
-def test_only_a_mamba2_models_last_sample_is_chunked(model):
+def test_undeclared_the_samples_stay_sequential_and_the_summary_says_how_to_declare(tmp_path):
+    """Not declared: the same run keeps its divergence (the sequential samples' sensitivity: a chunked sample
+    raises y's thresholds ~2.5x) and the summary names SSD_CHUNK."""
+    res = hybrid_run(tmp_path, CHUNKED.replace("SSD_CHUNK = 64", "Q = 64").replace("chunk_size=SSD_CHUNK",
+                                                                                   "chunk_size=Q"))
+    so = res.second_opinion
+    assert so is not None and so["taken"] and so["chunked_ssd"] is None
+    if so["confirmed"]:
+        assert "declares SSD_CHUNK" in summary(res)
+
+
+def test_only_a_mamba2_models_declared_last_sample_is_chunked(model):
     m2 = md.load_model("tiny-mamba2").config
-    assert [second_opinion.ssd_chunk(m2, s) for s in second_opinion.SEEDS] == [None, m2.chunk_size]
-    assert [second_opinion.ssd_chunk(model.config, s) for s in second_opinion.SEEDS] == [None, None]
+    assert [second_opinion.ssd_chunk(m2, s, 64) for s in second_opinion.SEEDS] == [None, 64]
+    assert [second_opinion.ssd_chunk(m2, s, None) for s in second_opinion.SEEDS] == [None, None]
+    assert [second_opinion.ssd_chunk(model.config, s, 64) for s in second_opinion.SEEDS] == [None, None]
+
+
+@pytest.mark.parametrize("value", ["64", 0, True, 6.4])
+def test_a_bad_ssd_chunk_is_refused_naming_the_plugin(tmp_path, value):
+    plugin = tmp_path / "bad_chunk.py"
+    plugin.write_text(CHUNKED.replace("SSD_CHUNK = 64", f"SSD_CHUNK = {value!r}").replace("chunk_size=SSD_CHUNK",
+                                                                                         "chunk_size=64"))
+    with pytest.raises(md.MambaDebugError, match="bad_chunk.py: SSD_CHUNK"):
+        md.load_kernels(str(plugin))
 
 
 def test_a_small_mamba2_bug_stands_past_the_chunked_sample(tmp_path):
-    """y off by 3e-5 in Mamba-2's scan: still found at layer 0's y_scan, token 0, past every sample."""
+    """y off by 3e-5 in Mamba-2's scan, declared chunked: still found at layer 0's y_scan, token 0."""
     m = md.load_model("tiny-mamba2")
     plugin = tmp_path / "bug_ssd_y.py"
-    plugin.write_text(BUG.replace("ssm_scan", "ssd_scan").replace("1e-4", "3e-5"))
+    plugin.write_text(BUG.replace("ssm_scan", "ssd_scan").replace("1e-4", "3e-5") + "SSD_CHUNK = 64\n")
     ids = m.encode((md.io.DATA_DIR / "tiny-mamba" / "val.txt").read_text()[:200000])[:256]
     res = md.run_compare(m, ids, md.RunSettings(kernels=str(plugin), offload=m.config.n_layer, ubatch=512, n_gen=0))
     fd, so = res.first_divergence, res.second_opinion

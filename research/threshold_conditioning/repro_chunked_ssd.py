@@ -1,5 +1,7 @@
 """False alarm 2: a Mamba-2 scan in mamba_ssm's chunked form (ssd_chunk_mamba_ssm.py) reads DIVERGED on the shipped
-hybrid at ubatch 512; the stable-segment-sum control and the sequential scan read clean. Run from the repository root:
+hybrid at ubatch 512 unless it declares SSD_CHUNK (it does since the thirty-ninth session: then clean, and without the
+declaration the first line below reads DIVERGED); the stable-segment-sum control and the sequential scan read clean.
+Run from the repository root:
     python research/threshold_conditioning/repro_chunked_ssd.py"""
 from pathlib import Path
 

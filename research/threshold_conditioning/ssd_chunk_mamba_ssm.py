@@ -1,6 +1,7 @@
 import torch, torch.nn.functional as F
 NAME="ssd_chunk64"; DESCRIPTION="mamba_ssm-style chunked SSD, chunk 64, fp32"
 Q=64   # the shipped models' chunk_size
+SSD_CHUNK=Q   # declared: a second opinion samples this order's rounding too (mamba_debug/plugins.py)
 SUPPORTS_STATES_OUT=False
 def ssd_scan(s, x, dt, A, B, C, *, states_out=None):
     S,T,H,P = x.shape; G = B.shape[2]
