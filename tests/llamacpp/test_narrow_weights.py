@@ -91,3 +91,45 @@ def test_clean_narrow_matmuls_match_their_emulated_rounding(gguf):
     items = res.precision["items"]
     assert items and all(i["emulated_error"] < 1e-6 < i["error"] for i in items), items
     assert "within the FP32 floor of their activations' rounding, emulated" in res.precision["text"]
+
+
+Q4_0_RUN = '''
+import json, sys
+import llama_cpp, ctypes
+import mamba_debug as md
+from mamba_debug.io import export_gguf, load_model
+from mamba_debug.sides.llamacpp import side as lside
+folder = sys.argv[1]
+f32 = export_gguf(load_model(None), folder + "/tiny-f32.gguf", dtype="f32")
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+assert llama_cpp.llama_model_quantize(str(f32).encode(), (folder + "/tiny-q4_0.gguf").encode(), ctypes.byref(p)) == 0
+model = load_model(folder + "/tiny-q4_0.gguf")
+ids = model.encode("It was a fine morning in the country, and Mr. Darcy")
+s = md.RunSettings(engine="llama.cpp", device="cpu", ubatch=8, n_gen=2, local=True)
+clean = md.run_compare(model, ids, s)
+def hook(node, a, u, first_seq):
+    if node.layer == 3 and node.site == "xz" and u == 1:
+        a.reshape(-1)[: a.size // 2] *= 1 + 1e-4
+lside.FAULT = hook
+faulty = md.run_compare(model, ids, s).first_divergence
+nodes = clean.sides["device"].extra["nodes"]
+print(json.dumps({"clean": clean.first_divergence, "precision": clean.precision["text"],
+                  "buffers": sorted({n.get("backend", "") for n in nodes}),
+                  "faulty": [faulty["layer"], faulty["site"], faulty["ubatch"], faulty["by"]]}))
+'''
+
+
+def test_a_repacked_q4_0_model_is_read_from_its_file_and_emulated(tmp_path):
+    """llama.cpp's own Q4_0 quantization of the shipped model: a CPU build keeps those weights in its CPU_REPACK
+    buffer, which ggml cannot read back (ggml_backend_tensor_get segfaulted the process at the first local
+    recompute); they are read from the GGUF file instead. Q4_0's activations are q8_0 blocks, emulated: a 1e-4
+    fault is named at its node. In a child process, so that a crash fails this test alone."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", Q4_0_RUN, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["clean"] is None and "8-bit weights" in got["precision"] and "emulated" in got["precision"], got
+    assert got["faulty"][:3] == [3, "xz", 1] and "q4_0" in got["faulty"][3] and "emulated" in got["faulty"][3], got

@@ -8,8 +8,9 @@ what the node computes, up to float32 sums: a clean node's local error against i
 shipped model at -ub 1 and 8, 2026-12-06), against the plain float64 product 1e-4 (f16) to 1e-2 (q8_0). A node's
 error past k x the FP32 floor against the emulation is its own fault, however small beside the rounding.
 
-Only the types verified against a CPU build are emulated (`EMULATED`); others (q4_0, q4_1, the K-quants' q8_K
-activations) keep their family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
+Only the types verified against a CPU build are emulated (`ACTIVATIONS`: f16, bf16, and q8_0, q4_0, q5_0 whose
+activations are q8_0 blocks); others (q4_1 and q5_1, whose q8_1 blocks keep an f16 sum too; the K-quants' q8_K)
+keep their family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
 cuBLAS on converted operands): only a build without a GPU is emulated, so that no node ran elsewhere.
 """
 from __future__ import annotations
@@ -18,7 +19,10 @@ from typing import Optional
 
 import numpy as np
 
-EMULATED = ("f16", "bf16", "q8_0")      # weight types whose activation rounding is emulated (ggml type names)
+# weight type -> the type ggml's CPU rounds the activations to (its vec_dot_type), for the types verified against a
+# CPU build (llama-cpp-python 0.3.36's, AVX-512: clean nodes within 1.2e-7 of the emulation)
+ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0"}
+EMULATED = tuple(ACTIVATIONS)
 Q8_BLOCK = 32
 
 
@@ -32,11 +36,12 @@ def rounded(x: np.ndarray, weights: str, form: str = "x86") -> Optional[np.ndarr
     """x (..., K) as float64 after ggml's CPU rounds it for weights of type `weights`, or None when not emulated.
     form: q8_0's quantizer (Q8_FORMS)."""
     x32 = np.ascontiguousarray(x, dtype=np.float32)
-    if weights == "f16":
+    to = ACTIVATIONS.get(weights)
+    if to == "f16":
         return x32.astype(np.float16).astype(np.float64)
-    if weights == "bf16":
+    if to == "bf16":
         return _bf16(x32)
-    if weights == "q8_0" and x32.shape[-1] % Q8_BLOCK == 0:
+    if to == "q8_0" and x32.shape[-1] % Q8_BLOCK == 0:
         return _q8_0(x32, form)
     return None
 

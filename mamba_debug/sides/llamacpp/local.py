@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from .activations import EMULATED, Q8_FORMS, rounded
+from .activations import ACTIVATIONS, EMULATED, Q8_FORMS, rounded
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -265,14 +265,14 @@ class LocalErrors:
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
 
     def _emulated(self, node, srcs: list, got: np.ndarray, weights: int) -> Optional[float]:
-        """A CPU build's MUL_MAT of f16, bf16 or q8_0 weights: its local error against the float64 product of its
-        weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0: the least over its
-        quantizer's forms, a build uses one); None where not emulated."""
+        """A CPU build's MUL_MAT of f16, bf16, q8_0, q4_0 or q5_0 weights: its local error against the float64
+        product of its weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0 blocks:
+        the least over the quantizer's forms, a build uses one); None where not emulated."""
         name = WEIGHT_TYPES.get(weights)
         if not self.emulate or node.op != "MUL_MAT" or name not in EMULATED or any(a is None for a in srcs[:2]):
             return None
         errs = []
-        for form in (Q8_FORMS if name == "q8_0" else Q8_FORMS[:1]):
+        for form in (Q8_FORMS if ACTIVATIONS[name] == "q8_0" else Q8_FORMS[:1]):
             x = rounded(srcs[1], name, form)
             want = None if x is None else recompute("MUL_MAT", [srcs[0].astype(np.float64, copy=False), x],
                                                     got.shape, ())

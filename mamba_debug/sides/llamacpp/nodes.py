@@ -163,6 +163,38 @@ def read_dequantized(lib, node: Node) -> Optional[np.ndarray]:
         return None
 
 
+# ggml-cpu's extra buffer types keep a weight re-laid out for their kernels (q4_0 as q4_0x8 on AVX2, AMX tiles,
+# KleidiAI) and give no get_tensor: ggml_backend_tensor_get on one dereferences a null pointer (a segfault at the
+# first quantized matmul of a CPU build, 2026-12-06). Such a weight is read from the GGUF file instead.
+REPACKED_BUFFERS = ("REPACK", "AMX", "KLEIDIAI")
+_READERS: dict = {}
+
+
+def repacked(node: Node) -> bool:
+    """Whether the node lives in a buffer ggml cannot read back (REPACKED_BUFFERS)."""
+    return any(k in node.backend.upper() for k in REPACKED_BUFFERS)
+
+
+def read_from_file(gguf_path, node: Node) -> Optional[np.ndarray]:
+    """A weight's float32 values from the GGUF file llama.cpp loaded, by its name (dequantized by gguf-py), in
+    read_data's layout; None where the file, the name or its shape does not match."""
+    try:
+        from gguf import GGUFReader  # noqa: PLC0415
+        from gguf.quants import dequantize  # noqa: PLC0415
+        key = str(gguf_path)
+        if key not in _READERS:
+            _READERS.clear()                        # one model's file at a time
+            _READERS[key] = {t.name: t for t in GGUFReader(key).tensors}
+        t = _READERS[key].get(node.name)
+        if t is None:
+            return None
+        data = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        want = tuple(node.ne[::-1])
+        return data.reshape(want) if data.size == int(np.prod(want)) else None
+    except (ImportError, ValueError, NotImplementedError, OSError):
+        return None
+
+
 def model_input(node: Node) -> bool:
     """The embedding lookup (by the weight it reads, whatever its name) and what llama.cpp names the layers' input,
     "embd" (the lookup itself in Mamba's graph; in Granite's, the SCALE by the embedding multiplier after it):

@@ -36,7 +36,7 @@ from . import defer, recall
 from .lib import GgmlTensor
 from .local import OPS as LOCAL_OPS
 from .nodes import (DTYPES, HEAD_NAMES, WEIGHT_PREFIXES, GraphMap, host_array, model_input, read_data,
-                    read_dequantized, read_node)
+                    read_dequantized, read_from_file, read_node, repacked)
 
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
@@ -98,10 +98,11 @@ class Tracer:
 
     fast = None     # the C fast path (fastpath.FastPath), set by the side once it has made this Tracer's callback
 
-    def __init__(self, lib, kinds: list, observed: frozenset, model=None):
+    def __init__(self, lib, kinds: list, observed: frozenset, model=None, gguf_path=None):
         """model: what identifies the model's file (side.model_key); the remembered trie is this model's, library's,
-        layer kinds' and observed sites' own (recall.py). None: nothing remembered across Tracers."""
-        self.lib, self.kinds, self.observed = lib, kinds, observed
+        layer kinds' and observed sites' own (recall.py). None: nothing remembered across Tracers. gguf_path: the
+        file llama.cpp loaded (--local reads a repacked weight from it, nodes.read_from_file)."""
+        self.lib, self.kinds, self.observed, self.gguf_path = lib, kinds, observed, gguf_path
         self.get = lib.dll.ggml_backend_tensor_get
         self.copier = defer.Copier(lib)      # what the fast path's deferred copies need
         self.lost: list = []                 # (ubatch, site): deferred copies given up (fastpath.c), never compared
@@ -419,6 +420,11 @@ class Tracer:
         weight = leaf.name.startswith(WEIGHT_PREFIXES)
         if weight:
             self.weight_types[addr] = leaf.type
+        if repacked(leaf):              # ggml cannot read it back: the file's values, for a weight
+            data = read_from_file(self.gguf_path, leaf) if weight and self.gguf_path else None
+            if data is not None:
+                data = self.weights[addr] = data.astype(np.float64)
+            return data
         if leaf.type not in DTYPES:
             data = read_dequantized(self.lib, leaf) if weight else None     # bf16, quantized: their values
             if data is not None:

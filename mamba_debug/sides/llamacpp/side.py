@@ -135,7 +135,8 @@ class LlamaCppSide:
             cp.flash_attn_type = 0          # LLAMA_FLASH_ATTN_TYPE_DISABLED
         if self.tracer is not None:         # its callback stays alive (KEEP_ALIVE): free what it holds
             self.tracer.release()
-        self.tracer = Tracer(self.lib, self.kinds, self.observed_sites(), model_key(self.gguf))  # this context's
+        self.tracer = Tracer(self.lib, self.kinds, self.observed_sites(), model_key(self.gguf),  # this context's
+                             gguf_path=self.gguf)
         self.info.extra.update(callback=contexts.callback(lib, self.tracer, cp), context="new")
         self.ctx = lib.llama_init_from_model(self.lmodel, cp)
         if not self.ctx:
