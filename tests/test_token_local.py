@@ -335,3 +335,50 @@ def test_the_float32_recompute_of_a_matmul_never_runs_in_tf32(monkeypatch):
     numpy_le, _ = ill_conditioned_mul_mat(device=None)
     assert got == pytest.approx(numpy_le.at_token(0, 2, 5, 0, "x_proj")["explained"][0]["fp32_recompute"], rel=1e-9)
     assert got > LIMIT and want > LIMIT
+
+
+def ggml_softplus_scan(fault=0.0):
+    """A Mamba-2 SSM_SCAN (fresh states, softplus(dt) ~ 1e-3) computed in float32 as llama.cpp's CPU writes it:
+    softplus as logf(1 + expf(dt)), which rounds expf(dt)'s low bits away (~1e-5 of delta here); `fault` x the
+    row's norm added to one value of (seq 1, token 0). Returns the LocalErrors it was added to."""
+    rng = np.random.default_rng(7)
+    H, P, N = 4, 8, 16
+    x = rng.standard_normal((S, T, H, P)).astype(np.float32)
+    dt = (rng.uniform(-7.5, -6.5, (1, S, T, H))).astype(np.float32)
+    A = -rng.uniform(1, 4, (1, 1, H, 1)).astype(np.float32)
+    B, C = (rng.standard_normal((S, T, 1, N)).astype(np.float32) for _ in range(2))
+    s0, ids = np.zeros((S, H, P, N), np.float32), np.arange(S, dtype=np.int32).reshape(1, 1, 1, S)
+    y, states = np.empty((S, T, H, P), np.float32), np.empty((S, H, P, N), np.float32)
+    for q in range(S):
+        h = s0[q].copy()
+        for t in range(T):
+            d = np.log(np.float32(1) + np.exp(dt[0, q, t]))                    # logf(1 + expf(dt)), float32
+            h = h * np.exp(d[:, None] * A[0, 0])[:, :, None] + (d[:, None] * x[q, t])[:, :, None] * B[q, t, 0]
+            y[q, t] = (h * C[q, t, 0][None, None]).sum(-1)
+        states[q] = h
+    if fault:
+        y = with_fault(y.astype(np.float64), (1, 0), fault).astype(np.float32)
+    got = np.concatenate([y.reshape(-1), states.reshape(-1)]).reshape(1, 1, 1, -1)
+    le = LocalErrors(K)
+    le.ubatch_shape = (S, T)
+    srcs = [a.astype(np.float64) for a in (s0, x, dt, A, B, C)] + [ids]
+    le.add(node("SSM_SCAN", 0, "y_scan", 7, ne=(got.size, 1, 1, 1)), srcs, got, 0)
+    return le
+
+
+def test_llama_cpps_softplus_explains_an_ssm_scan_row_and_says_so():
+    """Where delta is small, llama.cpp's float32 softplus errs ~100x log1p's: the row passes the flat floor and
+    numpy's own float32 recompute (log1p) would not explain it; its recompute with llama.cpp's formula does, and
+    the evidence names the formula (a precision defect of the op, found on the CPU build: one random run in 96 read
+    DIVERGED at 1.05x so). A fault of 1e-3 of the row on top is still born there."""
+    tok = ggml_softplus_scan().at_token(0, 1, 0, 0, "y_scan")
+    assert tok["first_over"] is None and len(tok["explained"]) == 1, tok
+    e = tok["explained"][0]
+    assert e["error"] > LIMIT and "logf(1 + expf(dt))" in e["formula"]
+    fd, prec = settle(SimpleNamespace(errors={(0, "y_scan"): {"rel_l2": torch.full((S, T), 1.5e-5)}},
+                                      thresholds={(0, "y_scan"): 1e-5},
+                                      ratio=lambda key: torch.full((S, T), 1.5)), fd_at(1, 0, site="y_scan"),
+                       ggml_softplus_scan())
+    assert fd is None and "a precision defect of the op's formula" in prec["text"], prec
+    faulty = ggml_softplus_scan(fault=1e-3).at_token(0, 1, 0, 0, "y_scan")
+    assert faulty["first_over"]["name"] == "node_7" and faulty["explained"] == []

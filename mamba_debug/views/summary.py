@@ -257,6 +257,7 @@ def _token_clause(fd, loc: dict) -> str:
 def _explained(items: list, margin: float, why: str) -> str:
     """The nodes past the FP32 floor that an independent float32 recompute of their op explains, worst first."""
     e = max(items, key=lambda r: r["error"])
+    why = f"its recompute with {e['formula']}" if e.get("formula") else why   # llama.cpp's own formula (local.py)
     return (f"within {margin:g}x an independent float32 recompute of its op ({len(items)} node(s); "
             f"{_node_at(e)} {_fmt(e['error'], '.3g')} against {_fmt(e['fp32_recompute'], '.3g')}: {why})")
 

@@ -280,7 +280,7 @@ def test_a_finished_run_leaves_nothing_behind(subject, monkeypatch):
     contexts.release()
     monkeypatch.setenv("MAMBA_DEBUG_LLAMA_KEEP", "0")
     tracers, sides = [], []
-    monkeypatch.setattr(lside, "Tracer", lambda *a: tracers.append(observe.Tracer(*a)) or tracers[-1])
+    monkeypatch.setattr(lside, "Tracer", lambda *a, **kw: tracers.append(observe.Tracer(*a, **kw)) or tracers[-1])
     real_init = lside.LlamaCppSide.__init__
     monkeypatch.setattr(lside.LlamaCppSide, "__init__", lambda self, *a: sides.append(self) or real_init(self, *a))
     compare(subject, 3, 2, local=True)

@@ -149,6 +149,8 @@ def settle(res, fd: Optional[dict], local) -> tuple[Optional[dict], Optional[dic
                 f"{out['seq']}), but no node up to it is past the float32 floor there"
                 + (f" beyond {ORACLE_MARGIN:g}x what an independent float32 recompute of the op errs on the same "
                    f"inputs ({len(tok['explained'])} node(s))" if tok["explained"] else "")
+                + "".join(f" ({r['op']} {r['name']}: recomputed with {r['formula']}: a precision defect of the op's "
+                          f"formula, log1pf(expf(dt)) keeps them)" for r in tok["explained"] if r.get("formula"))
                 + f", none over the whole run; the largest excess anywhere is {excess:.2g}x a threshold "
                   f"(rounding drift, not a fault)",
         "drift_from": out, "switches": [], "worst_excess": excess,
