@@ -369,7 +369,7 @@ def ggml_softplus_scan(fault=0.0):
 def test_llama_cpps_softplus_explains_an_ssm_scan_row_and_says_so():
     """Where delta is small, llama.cpp's float32 softplus errs ~100x log1p's: the row passes the flat floor and
     numpy's own float32 recompute (log1p) would not explain it; its recompute with llama.cpp's formula does, and
-    the evidence names the formula (a precision defect of the op, found on the CPU build: one random run in 96 read
+    the evidence names the formula (a precision defect of the op, found on the CPU build: one of 120 random runs read
     DIVERGED at 1.05x so). A fault of 1e-3 of the row on top is still born there."""
     tok = ggml_softplus_scan().at_token(0, 1, 0, 0, "y_scan")
     assert tok["first_over"] is None and len(tok["explained"]) == 1, tok
