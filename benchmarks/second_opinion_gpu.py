@@ -107,13 +107,7 @@ def big(kernels: str, name: str, device: str) -> dict:
     model = MambaModel(cfg, mamba_ssm_params(cfg, 0, "cuda" if CUDA else "cpu"), source="random mamba_ssm init")
     n = 64 if SMALL_RUN else 2048
     prompt = torch_randint(cfg.vocab_size, n)
-    s = md.RunSettings(kernels=kernels, device=device, ubatch=16 if SMALL_RUN else 64, n_gen=4, capture="metrics",
-                       ref_device="cuda" if CUDA else "cpu", offload=cfg.n_layer)
-    reset_peak()
-    t = time.perf_counter()
-    res = md.run_compare(model, prompt, s)
-    sync()
-    return row(name, res, time.perf_counter() - t)
+    return timed_run(model, prompt, kernels, device, 16 if SMALL_RUN else 64, name)
 
 
 def big_mamba2(kernels: str, name: str, device: str) -> dict:
@@ -122,8 +116,13 @@ def big_mamba2(kernels: str, name: str, device: str) -> dict:
     cfg = MambaConfig(**dict(MAMBA2_2P7B, **shape), layer_types=("mamba2",) * (2 if SMALL_RUN else 64))
     model = MambaModel(cfg, mamba2_params(cfg, 0, "cuda" if CUDA else "cpu"), source="random mamba_ssm init")
     prompt = torch_randint(cfg.vocab_size, 64 if SMALL_RUN else 2048)
-    s = md.RunSettings(kernels=kernels, device=device, ubatch=40 if SMALL_RUN else 32, n_gen=4, capture="metrics",
-                       ref_device="cuda" if CUDA else "cpu", offload=cfg.n_layer)
+    return timed_run(model, prompt, kernels, device, 40 if SMALL_RUN else 32, name)
+
+
+def timed_run(model, prompt: list, kernels: str, device: str, ubatch: int, name: str) -> dict:
+    """One comparison of a big model (every block on the device, capture metrics, reference on the GPU): its row."""
+    s = md.RunSettings(kernels=kernels, device=device, ubatch=ubatch, n_gen=4, capture="metrics",
+                       ref_device="cuda" if CUDA else "cpu", offload=model.config.n_layer)
     reset_peak()
     t = time.perf_counter()
     res = md.run_compare(model, prompt, s)

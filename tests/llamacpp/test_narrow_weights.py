@@ -35,6 +35,19 @@ def _run(model, ids, **kw):
                                                          "n_gen": 2, **kw}))
 
 
+def _run_with_xz_fault(model, ids, scale):
+    """_run with layer 3's in_proj output (xz) scaled by `scale` in half its values at ubatch 1 (a fault in the
+    build, written into the node's memory from the eval callback)."""
+    def hook(node, a, u, first_seq):
+        if node.layer == 3 and node.site == "xz" and u == 1:
+            a.reshape(-1)[: a.size // 2] *= scale
+    lside.FAULT = hook
+    try:
+        return _run(model, ids)
+    finally:
+        lside.FAULT = None
+
+
 @pytest.mark.parametrize("dtype, family", [("f16", "f16 weights"), ("bf16", "bf16 weights"),
                                            ("q8_0", "8-bit weights")])
 def test_narrow_weights_read_as_precision_not_a_fault(gguf, dtype, family):
@@ -52,17 +65,7 @@ def test_narrow_weights_read_as_precision_not_a_fault(gguf, dtype, family):
 def test_a_fault_in_a_quantized_models_matmul_is_still_found_at_its_node(gguf):
     """A q8_0 model's layer 3 in_proj output (xz, a q8_0 matmul) 30% off in half its values at one ubatch: its local
     error (~0.2) passes the 8-bit limit (0.08; the model's clean matmuls err up to 0.014)."""
-    model, ids = gguf("q8_0")
-
-    def hook(node, a, u, first_seq):
-        if node.layer == 3 and node.site == "xz" and u == 1:
-            a.reshape(-1)[: a.size // 2] *= 1.3
-    lside.FAULT = hook
-    try:
-        res = _run(model, ids)
-    finally:
-        lside.FAULT = None
-    fd = res.first_divergence
+    fd = _run_with_xz_fault(*gguf("q8_0"), 1.3).first_divergence
     assert fd is not None and (fd["layer"], fd["ubatch"]) == (3, 1) and "8-bit weights" in fd["by"], fd
 
 
@@ -71,16 +74,7 @@ def test_a_small_fault_beside_the_rounding_is_found_on_a_cpu_build(gguf, dtype):
     """The same matmul 1e-4 off in half its values: 1/100 of the q8_0 rounding it sits in (1/2 of f16's). A CPU
     build's activation rounding is emulated (activations.py), so the node is judged by k x the FP32 floor against
     it; with the family's limit alone (0.08 for 8-bit weights) it read as precision."""
-    model, ids = gguf(dtype)
-
-    def hook(node, a, u, first_seq):
-        if node.layer == 3 and node.site == "xz" and u == 1:
-            a.reshape(-1)[: a.size // 2] *= 1 + 1e-4
-    lside.FAULT = hook
-    try:
-        res = _run(model, ids)
-    finally:
-        lside.FAULT = None
+    res = _run_with_xz_fault(*gguf(dtype), 1 + 1e-4)
     fd = res.first_divergence
     assert fd is not None and (fd["layer"], fd["site"], fd["ubatch"]) == (3, "xz", 1), md.verdict(res)
     assert "emulated" in fd["by"] and fd["error"] > 3 * fd["threshold"]
