@@ -58,11 +58,11 @@ def path_limit(path: str, k: float) -> float:
 # most on rows of thousands of values (the rel. L2 averages each value's rounding). Past this multiple of the
 # independent float32 recompute's error, a row's error is the node's own fault.
 ORACLE_MARGIN = 4.0
-# llama.cpp's SSM_SCAN takes softplus(dt) as logf(1 + expf(dt)) (ggml-impl.h, ggml_compute_softplus_f32): 1 + e rounds
-# away e's low bits, so where dt is small (softplus 1e-3..1e-2) delta, and y at a fresh sequence's first token, err
-# ~1e-5 relative, 100x what log1pf(expf(dt)) errs (the CPU build: one of 120 random runs read DIVERGED at 1.05x
-# so, none since, 2026-12-06). The float32 recompute of an SSM_SCAN takes the larger of both forms' errors per row, and an
-# error explained only by this form says so: a precision defect of the op's formula, not a fault.
+# llama.cpp's SSM_SCAN takes softplus(dt) as logf(1 + expf(dt)) (ggml-impl.h, ggml_compute_softplus_f32): 1 + e
+# rounds away e's low bits, so where dt is small (softplus 1e-3..1e-2) delta, and y at a fresh sequence's first
+# token, err ~1e-5 relative, 100x what log1pf(expf(dt)) errs (the CPU build: one of 120 random runs read DIVERGED
+# at 1.05x so, none since, 2026-12-06). The float32 recompute of an SSM_SCAN takes the larger of both forms' errors
+# per row, and an error explained only by this form says so: a precision defect of the op's formula, not a fault.
 SOFTPLUS_NOTE = "llama.cpp's softplus, logf(1 + expf(dt)), which loses exp(dt)'s low bits where dt is small"
 OPS = ("RMS_NORM", "MUL_MAT", "SSM_CONV", "SSM_SCAN", "SILU", "SWIGLU", "MUL", "ADD", "CONT", "CPY", "GET_ROWS",
        "CONCAT", "SCALE")
