@@ -47,6 +47,24 @@ def test_q8_0_forms_differ_only_at_halves():
         assert np.all(np.abs(v[steps > 0] % 1 - 0.5) < 1e-2), form
 
 
+def test_q8_k_follows_ggmls_reference_loop():
+    """quantize_row_q8_K_ref, one value at a time (nearest_int's magic-number rounding: halves to even): the signed
+    value of largest magnitude sets iscale = -127 / max; q capped at 127; d = 1 / iscale."""
+    x = np.nan_to_num(acts(3, (2, 3, 512)))
+    want = np.empty(x.size)
+    for i, block in enumerate(x.reshape(-1, 256)):
+        top = block[np.argmax(np.abs(block))]
+        if top == 0:
+            want[i * 256:(i + 1) * 256] = 0.0
+            continue
+        iscale = np.float32(-127) / top
+        for j, v in enumerate(block):
+            magic = np.array([np.float32(iscale * v) + np.float32(12582912)], dtype=np.float32).view(np.int32)[0]
+            want[i * 256 + j] = min((int(magic) & 0x007FFFFF) - 0x00400000, 127) * float(np.float32(1) / iscale)
+    assert np.array_equal(rounded(x, "q4_K"), want.reshape(x.shape)) and np.array_equal(rounded(x, "q6_K"),
+                                                                                        want.reshape(x.shape))
+
+
 def test_not_emulated_types_and_shapes_say_so():
     x = acts()
-    assert rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None
+    assert rounded(x, "q2_K") is None and rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None

@@ -8,9 +8,10 @@ what the node computes, up to float32 sums: a clean node's local error against i
 shipped model at -ub 1 and 8, 2026-12-06), against the plain float64 product 1e-4 (f16) to 1e-2 (q8_0). A node's
 error past k x the FP32 floor against the emulation is its own fault, however small beside the rounding.
 
-Only the types verified against a CPU build are emulated (`ACTIVATIONS`: f16, bf16, and q8_0, q4_0, q5_0 whose
-activations are q8_0 blocks); others (q4_1 and q5_1, whose q8_1 blocks keep an f16 sum too; the K-quants' q8_K)
-keep their family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
+Only the types verified against a CPU build are emulated (`ACTIVATIONS`: f16, bf16; q8_0, q4_0, q5_0 whose
+activations are q8_0 blocks; q4_K and q6_K, Q4_K_M's types, whose activations are q8_K blocks of 256 with a float32
+scale); others (q4_1 and q5_1, whose q8_1 blocks keep an f16 sum too; q2_K, q3_K, q5_K, not tried) keep their
+family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
 cuBLAS on converted operands): only a build without a GPU is emulated, so that no node ran elsewhere.
 """
 from __future__ import annotations
@@ -21,9 +22,11 @@ import numpy as np
 
 # weight type -> the type ggml's CPU rounds the activations to (its vec_dot_type), for the types verified against a
 # CPU build (llama-cpp-python 0.3.36's, AVX-512: clean nodes within 1.2e-7 of the emulation)
-ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0"}
+ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_K": "q8_K",
+               "q6_K": "q8_K"}
 EMULATED = tuple(ACTIVATIONS)
 Q8_BLOCK = 32
+QK_K = 256                              # the K-quants' super-block: q8_K activations come in blocks of 256
 
 
 # ggml's quantize_row_q8_0 in its three forms: x86's SIMD (1 / d as 127 / amax, halves to even), ARM's NEON (1 / d,
@@ -43,6 +46,8 @@ def rounded(x: np.ndarray, weights: str, form: str = "x86") -> Optional[np.ndarr
         return _bf16(x32)
     if to == "q8_0" and x32.shape[-1] % Q8_BLOCK == 0:
         return _q8_0(x32, form)
+    if to == "q8_K" and x32.shape[-1] % QK_K == 0:
+        return _q8_k(x32)
     return None
 
 
@@ -65,3 +70,14 @@ def _q8_0(x32: np.ndarray, form: str) -> np.ndarray:
     v = b * inv
     q = np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5) if form == "scalar" else np.rint(v)
     return (q.astype(np.float64) * d.astype(np.float16).astype(np.float64)).reshape(x32.shape)
+
+
+def _q8_k(x32: np.ndarray) -> np.ndarray:
+    """quantize_row_q8_K_ref then dequantized: per block of 256, the value of largest magnitude `max` (signed),
+    iscale = -127 / max, q = nearest_int(iscale * x) (halves to even) capped at 127, d = 1 / iscale in float32."""
+    b = x32.reshape(-1, QK_K)
+    top = b[np.arange(b.shape[0]), np.abs(b).argmax(axis=1)][:, None]
+    iscale = np.divide(np.float32(-127), top, out=np.zeros_like(top), where=top != 0)
+    q = np.minimum(np.rint(iscale * b), 127)
+    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x32.shape)

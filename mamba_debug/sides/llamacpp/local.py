@@ -275,7 +275,7 @@ class LocalErrors:
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
 
     def _emulated(self, node, srcs: list, got: np.ndarray, weights: int) -> Optional[float]:
-        """A CPU build's MUL_MAT of f16, bf16, q8_0, q4_0 or q5_0 weights: its local error against the float64
+        """A CPU build's MUL_MAT of weights in activations.ACTIVATIONS: its local error against the float64
         product of its weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0 blocks:
         the least over the quantizer's forms, a build uses one); None where not emulated."""
         name = WEIGHT_TYPES.get(weights)
