@@ -67,4 +67,4 @@ def test_q8_k_follows_ggmls_reference_loop():
 
 def test_not_emulated_types_and_shapes_say_so():
     x = acts()
-    assert rounded(x, "q2_K") is None and rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None
+    assert rounded(x, "q4_1") is None and rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None

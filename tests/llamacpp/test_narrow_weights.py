@@ -118,7 +118,7 @@ print(json.dumps({"clean": clean.first_divergence, "precision": clean.precision[
 '''
 
 
-@pytest.mark.parametrize("kind, weights", [("Q4_0", "q4_0"), ("Q4_K_M", "q4_K")])
+@pytest.mark.parametrize("kind, weights", [("Q4_0", "q4_0"), ("Q4_K_M", "q4_K"), ("Q2_K", "q2_K")])
 def test_llama_cpps_own_quantizations_are_read_and_emulated(tmp_path, kind, weights):
     """llama.cpp's own quantizations (llama_model_quantize). A CPU build keeps Q4_0 and q4_K weights in its
     CPU_REPACK buffer, which ggml cannot read back (ggml_backend_tensor_get segfaulted the process at the first

@@ -9,9 +9,9 @@ shipped model at -ub 1 and 8, 2026-12-06), against the plain float64 product 1e-
 error past k x the FP32 floor against the emulation is its own fault, however small beside the rounding.
 
 Only the types verified against a CPU build are emulated (`ACTIVATIONS`: f16, bf16; q8_0, q4_0, q5_0 whose
-activations are q8_0 blocks; q4_K and q6_K, Q4_K_M's types, whose activations are q8_K blocks of 256 with a float32
-scale); others (q4_1 and q5_1, whose q8_1 blocks keep an f16 sum too; q2_K, q3_K, q5_K, not tried) keep their
-family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
+activations are q8_0 blocks; the K-quants q2_K to q6_K, whose activations are q8_K blocks of 256 with a float32
+scale); others (q4_1 and q5_1, whose q8_1 blocks keep an f16 sum too, which no rounding of x alone reproduces)
+keep their family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
 cuBLAS on converted operands): only a build without a GPU is emulated, so that no node ran elsewhere.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import numpy as np
 
 # weight type -> the type ggml's CPU rounds the activations to (its vec_dot_type), for the types verified against a
 # CPU build (llama-cpp-python 0.3.36's, AVX-512: clean nodes within 1.2e-7 of the emulation)
-ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_K": "q8_K",
-               "q6_K": "q8_K"}
+ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0",
+               **{f"q{b}_K": "q8_K" for b in (2, 3, 4, 5, 6)}}
 EMULATED = tuple(ACTIVATIONS)
 Q8_BLOCK = 32
 QK_K = 256                              # the K-quants' super-block: q8_K activations come in blocks of 256
