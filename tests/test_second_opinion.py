@@ -271,7 +271,8 @@ OPS = {"ssd_scan": ssd_scan}
 '''
 
 
-def hybrid_run(tmp_path, source, name="tiny-granite-hybrid"):
+def m2_run(tmp_path, source, name="tiny-granite-hybrid"):
+    """A Mamba-2 model (the hybrid by default) compared with the plug-in `source`: 256 tokens, one ubatch."""
     m = md.load_model(name)
     plugin = tmp_path / "plugin.py"
     plugin.write_text(source)
@@ -283,7 +284,7 @@ def test_mamba_ssms_chunked_scan_reads_as_rounding_when_its_plugin_says_so(tmp_p
     """The chunked SSD form errs several times the sequential scan at a long ubatch (a legitimate float32 order): it
     read DIVERGED at token 55 (1.1-1.4x its threshold) with sequential samples alone. A plug-in declaring
     SSD_CHUNK has its last sample's float32 reference scan so, and the floor covers both orders."""
-    res = hybrid_run(tmp_path, CHUNKED)
+    res = m2_run(tmp_path, CHUNKED)
     assert res.first_divergence is None, md.verdict(res)
     so = res.second_opinion
     assert so is not None and so["taken"] and so["chunked_ssd"] == 64
@@ -293,7 +294,7 @@ def test_mamba_ssms_chunked_scan_reads_as_rounding_when_its_plugin_says_so(tmp_p
 def test_undeclared_the_samples_stay_sequential_and_the_summary_says_how_to_declare(tmp_path):
     """Not declared: the same run keeps its divergence (the sequential samples' sensitivity: a chunked sample
     raises y's thresholds ~2.5x) and the summary names SSD_CHUNK."""
-    res = hybrid_run(tmp_path, CHUNKED.replace("SSD_CHUNK = 64", "Q = 64").replace("chunk_size=SSD_CHUNK",
+    res = m2_run(tmp_path, CHUNKED.replace("SSD_CHUNK = 64", "Q = 64").replace("chunk_size=SSD_CHUNK",
                                                                                    "chunk_size=Q"))
     so = res.second_opinion
     assert so is not None and so["taken"] and so["chunked_ssd"] is None
@@ -319,11 +320,8 @@ def test_a_bad_ssd_chunk_is_refused_naming_the_plugin(tmp_path, value):
 
 def test_a_small_mamba2_bug_stands_past_the_chunked_sample(tmp_path):
     """y off by 3e-5 in Mamba-2's scan, declared chunked: still found at layer 0's y_scan, token 0."""
-    m = md.load_model("tiny-mamba2")
-    plugin = tmp_path / "bug_ssd_y.py"
-    plugin.write_text(BUG.replace("ssm_scan", "ssd_scan").replace("1e-4", "3e-5") + "SSD_CHUNK = 64\n")
-    ids = m.encode((md.io.DATA_DIR / "tiny-mamba" / "val.txt").read_text()[:200000])[:256]
-    res = md.run_compare(m, ids, md.RunSettings(kernels=str(plugin), offload=m.config.n_layer, ubatch=512, n_gen=0))
+    res = m2_run(tmp_path, BUG.replace("ssm_scan", "ssd_scan").replace("1e-4", "3e-5") + "SSD_CHUNK = 64\n",
+                 name="tiny-mamba2")
     fd, so = res.first_divergence, res.second_opinion
     assert so["taken"] and so["confirmed"] and so["chunked_ssd"] == 64
     assert (fd["token"], fd["layer"], fd["site"]) == (0, 0, "y_scan") and fd["error"] > 1.2 * fd["threshold"]

@@ -24,7 +24,6 @@ import numpy as np
 # CPU build (llama-cpp-python 0.3.36's, AVX-512: clean nodes within 1.2e-7 of the emulation)
 ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0",
                **{f"q{b}_K": "q8_K" for b in (2, 3, 4, 5, 6)}}
-EMULATED = tuple(ACTIVATIONS)
 Q8_BLOCK = 32
 QK_K = 256                              # the K-quants' super-block: q8_K activations come in blocks of 256
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from .activations import ACTIVATIONS, EMULATED, Q8_FORMS, rounded
+from .activations import ACTIVATIONS, Q8_FORMS, rounded
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -279,7 +279,7 @@ class LocalErrors:
         product of its weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0 blocks:
         the least over the quantizer's forms, a build uses one); None where not emulated."""
         name = WEIGHT_TYPES.get(weights)
-        if not self.emulate or node.op != "MUL_MAT" or name not in EMULATED or any(a is None for a in srcs[:2]):
+        if not self.emulate or node.op != "MUL_MAT" or name not in ACTIVATIONS or any(a is None for a in srcs[:2]):
             return None
         errs = []
         for form in (Q8_FORMS if ACTIVATIONS[name] == "q8_0" else Q8_FORMS[:1]):
