@@ -262,7 +262,7 @@ def test_a_sweep_cell_says_its_second_opinion(model, small_bug):
     plt.close(fig)
 
 
-CHUNKED = '''"""Mamba-2's scan in mamba_ssm's chunked SSD form (cumsum of dA, exponentials of its differences), float32."""
+CHUNKED = '''"""Mamba-2's scan in mamba_ssm's chunked SSD form (cumsum of dA, exp of its differences), float32."""
 from mamba_debug.ops import ssd_scan_chunked
 SSD_CHUNK = 64
 def ssd_scan(s, x, dt, A, B, C, *, states_out=None):
