@@ -454,9 +454,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preload_for_cuda(llama_lib):
+    """A CUDA build of llama.cpp: this command restarts itself with libstdc++ preloaded before it loads anything
+    (sides/llamacpp/preload.py: else the process can die silently at model load)."""
+    from .sides.llamacpp.lib import library_dir  # noqa: PLC0415
+    from .sides.llamacpp.preload import restart  # noqa: PLC0415
+    try:
+        folder = library_dir(llama_lib)
+    except MambaDebugError:
+        return                  # no library to be found: the run itself says so, in its own words
+    restart(folder)
+
+
 def main(argv=None) -> int:
     """Exit 0 clean, 1 diverged, 2 a usage or input error (one line; `--debug` adds the traceback), 130 interrupted."""
     from .cli_errors import run_guarded, split_debug  # noqa: PLC0415
+    argv_given = argv
     argv, debug = split_debug(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
@@ -465,6 +478,8 @@ def main(argv=None) -> int:
         if getattr(args, flag, None) == STDOUT and args.command != "show":
             parser.error(f"--{flag} -: only --json can go to stdout; give --{flag} a "
                          f"{'folder' if args.command == 'export-case' else 'file'} name")
+    if argv_given is None and getattr(args, "engine", None) == "llama.cpp":
+        _preload_for_cuda(args.llama_lib)
     if getattr(args, "json", None) != STDOUT:
         return run_guarded(args.func, args, debug)
     _json_out[0] = sys.stdout

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...errors import MambaDebugError
+from . import preload
 from .elf import check_elf
 
 GGML_OBJECT_SIZE = 32
@@ -193,6 +194,7 @@ def _open(path: Path) -> Library:
         what = "not a file" if path.exists() else "no such file"
         raise MambaDebugError(f"{path}: {what}; {where} must name a folder holding libllama.so and its ggml "
                               f"libraries (a llama.cpp build's lib or bin folder)")
+    preload.warn(path.parent)       # a CUDA build after numpy: the fix named before the process can die
     for file in [path] + sorted(f for f in path.parent.glob("libggml*.so*") if f.is_file()):
         check_elf(file)             # a truncated library would kill the process with SIGBUS inside dlopen
     try:
