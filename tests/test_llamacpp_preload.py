@@ -68,7 +68,8 @@ def test_a_library_user_is_warned_with_the_fix(tmp_path, monkeypatch):
     for key in ("LD_PRELOAD", preload.GUARD, preload.OPT_OUT):
         monkeypatch.delenv(key, raising=False)
     cuda = _fake_build(tmp_path, True)
-    with pytest.warns(UserWarning, match="LD_PRELOAD=.*libstdc"), pytest.raises(MambaDebugError, match="libllama|libggml"):
+    with pytest.warns(UserWarning, match="LD_PRELOAD=.*libstdc"), \
+            pytest.raises(MambaDebugError, match="libllama|libggml"):
         llib.load_library(str(cuda))
     monkeypatch.setenv(preload.OPT_OUT, "1")
     with warnings.catch_warnings(record=True) as seen, pytest.raises(MambaDebugError):

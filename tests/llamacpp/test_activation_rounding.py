@@ -1,13 +1,15 @@
 """ggml's CPU rounding of a MUL_MAT's activations, emulated (mamba_debug/sides/llamacpp/activations.py), against
 independent implementations: torch's float16 / bfloat16 conversions and gguf-py's Q8_0 quantizer (bit-exact with
-ggml's scalar reference)."""
+ggml's scalar reference); q8_1's block sums against ggml's reference loop, and the q4_1 / q5_1 weights' block
+minima against gguf-py's quantizers."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from mamba_debug.sides.llamacpp.activations import Q8_FORMS, rounded
+from mamba_debug.sides.llamacpp.activations import Q8_FORMS, block_sum_excess, rounded
+from mamba_debug.sides.llamacpp.nodes import block_mins
 
 
 def acts(seed=0, shape=(3, 5, 96)):
@@ -65,6 +67,52 @@ def test_q8_k_follows_ggmls_reference_loop():
                                                                                         want.reshape(x.shape))
 
 
+def test_q8_1_block_sums_follow_ggmls_reference_loop():
+    """quantize_row_q8_1_ref, one block at a time: d = amax / 127, q = roundf(x / d), s = f16(sum(q) * d) with d in
+    float32; the values are q8_0's, and block_sum_excess is s less what the kept f16(d) times sum(q) gives."""
+    x = np.nan_to_num(acts(4, (2, 3, 128)))
+    want = []
+    for block in x.reshape(-1, 32):
+        d = np.float32(np.abs(block).max()) / np.float32(127)
+        inv = np.float32(1) / d if d else np.float32(0)
+        q = [float(np.sign(v * inv) * np.floor(abs(float(np.float32(v * inv))) + 0.5)) for v in block]
+        total = int(sum(q))
+        s = float(np.float16(np.float32(total) * d))
+        want.append(s - float(np.float16(d)) * total)
+    got = block_sum_excess(x, "scalar")
+    assert got.shape == (2, 3, 4) and np.array_equal(got.reshape(-1), np.array(want))
+    assert np.array_equal(rounded(x, "q4_1", "scalar"), rounded(x, "q8_0", "scalar"))
+    assert np.abs(got).max() > 0                # the f16 sum is a rounding of its own, not zero
+
+
+@pytest.mark.parametrize("kind, ggml_type", [("Q4_1", 3), ("Q5_1", 7)])
+def test_block_minima_are_read_from_the_raw_blocks(kind, ggml_type):
+    """gguf-py's Q4_1 / Q5_1 quantizers keep each block's minimum as m (f16): block_mins reads it from the bytes."""
+    gq = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType as T
+    w = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32)
+    raw = gq.quantize(w, getattr(T, kind))
+    want = w.reshape(6, 3, 32).min(axis=2).astype(np.float16).astype(np.float64)
+    assert np.array_equal(block_mins(raw, ggml_type), want)
+    assert block_mins(raw, 2) is None           # q4_0 keeps no minimum
+
+
+def test_a_repacked_weights_minima_come_from_its_gguf_file(tmp_path):
+    """A weight in a buffer ggml cannot read back (CPU_REPACK, AMX) has its minima read from the GGUF file."""
+    gguf = pytest.importorskip("gguf")
+    from types import SimpleNamespace
+    from mamba_debug.sides.llamacpp.nodes import read_block_mins
+    w = np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    writer = gguf.GGUFWriter(str(tmp_path / "w.gguf"), "mamba")
+    writer.add_tensor("blk.0.ssm_in.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    node = SimpleNamespace(name="blk.0.ssm_in.weight", type=3, backend="CPU_REPACK")
+    assert np.array_equal(read_block_mins(None, node, tmp_path / "w.gguf"), block_mins(raw, 3))
+    assert read_block_mins(None, SimpleNamespace(name="nope", type=3, backend="AMX"), tmp_path / "w.gguf") is None
+
+
 def test_not_emulated_types_and_shapes_say_so():
     x = acts()
-    assert rounded(x, "q4_1") is None and rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None
+    assert rounded(x, "iq4_nl") is None and rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None
+    assert rounded(x[..., :40], "q4_1") is None and block_sum_excess(x[..., :40]) is None

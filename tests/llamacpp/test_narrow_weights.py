@@ -94,7 +94,7 @@ import mamba_debug as md
 from mamba_debug.io import export_gguf, load_model
 from mamba_debug.sides.llamacpp import side as lside
 folder, kind = sys.argv[1], sys.argv[2]
-if kind == "Q4_0":          # the shipped model
+if kind in ("Q4_0", "Q4_1", "Q5_1"):          # the shipped model
     model, layer = load_model(None), 3
 else:                       # the K-quants need rows of 256: a random 256-wide Mamba-1
     sys.path.insert(0, "tests")
@@ -118,13 +118,15 @@ print(json.dumps({"clean": clean.first_divergence, "precision": clean.precision[
 '''
 
 
-@pytest.mark.parametrize("kind, weights", [("Q4_0", "q4_0"), ("Q4_K_M", "q4_K"), ("Q2_K", "q2_K")])
+@pytest.mark.parametrize("kind, weights", [("Q4_0", "q4_0"), ("Q4_K_M", "q4_K"), ("Q2_K", "q2_K"), ("Q4_1", "q4_1"),
+                                           ("Q5_1", "q5_1")])
 def test_llama_cpps_own_quantizations_are_read_and_emulated(tmp_path, kind, weights):
     """llama.cpp's own quantizations (llama_model_quantize). A CPU build keeps Q4_0 and q4_K weights in its
     CPU_REPACK buffer, which ggml cannot read back (ggml_backend_tensor_get segfaulted the process at the first
     local recompute); they are read from the GGUF file instead. Q4_0's activations are q8_0 blocks, the K-quants'
-    q8_K blocks of 256, both emulated: a 1e-4 fault is named at its node. In a child process, so that a crash fails
-    this test alone."""
+    q8_K blocks of 256, Q4_1's and Q5_1's q8_1 blocks whose f16 sums meet the weights' block minima (without those
+    sums a clean q4_1 node read 4.4e-4 past its emulation: DIVERGED), all emulated: a 1e-4 fault is named at its
+    node. In a child process, so that a crash fails this test alone."""
     import json
     import subprocess
     import sys

@@ -10,9 +10,11 @@ error past k x the FP32 floor against the emulation is its own fault, however sm
 
 Only the types verified against a CPU build are emulated (`ACTIVATIONS`: f16, bf16; q8_0, q4_0, q5_0 whose
 activations are q8_0 blocks; the K-quants q2_K to q6_K, whose activations are q8_K blocks of 256 with a float32
-scale); others (q4_1 and q5_1, whose q8_1 blocks keep an f16 sum too, which no rounding of x alone reproduces)
-keep their family's floor (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or
-cuBLAS on converted operands): only a build without a GPU is emulated, so that no node ran elsewhere.
+scale; q4_1 and q5_1, whose activations are q8_1 blocks: q8_0's values plus an f16 sum s = d * sum(q) that the dot
+product multiplies by the weights' block minimum m, so their node is the product with the rounded x plus
+sum over blocks of m * (s - f16(d) * sum(q)): `block_sum_excess`); others keep their family's floor
+(local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or cuBLAS on converted operands): only a
+build without a GPU is emulated, so that no node ran elsewhere.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ import numpy as np
 
 # weight type -> the type ggml's CPU rounds the activations to (its vec_dot_type), for the types verified against a
 # CPU build (llama-cpp-python 0.3.36's, AVX-512: clean nodes within 1.2e-7 of the emulation)
-ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0",
-               **{f"q{b}_K": "q8_K" for b in (2, 3, 4, 5, 6)}}
+ACTIVATIONS = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8_1",
+               "q5_1": "q8_1", **{f"q{b}_K": "q8_K" for b in (2, 3, 4, 5, 6)}}
 Q8_BLOCK = 32
 QK_K = 256                              # the K-quants' super-block: q8_K activations come in blocks of 256
 
@@ -43,7 +45,7 @@ def rounded(x: np.ndarray, weights: str, form: str = "x86") -> Optional[np.ndarr
         return x32.astype(np.float16).astype(np.float64)
     if to == "bf16":
         return _bf16(x32)
-    if to == "q8_0" and x32.shape[-1] % Q8_BLOCK == 0:
+    if to in ("q8_0", "q8_1") and x32.shape[-1] % Q8_BLOCK == 0:       # q8_1's values are q8_0's
         return _q8_0(x32, form)
     if to == "q8_K" and x32.shape[-1] % QK_K == 0:
         return _q8_k(x32)
@@ -61,6 +63,12 @@ def _bf16(x32: np.ndarray) -> np.ndarray:
 def _q8_0(x32: np.ndarray, form: str) -> np.ndarray:
     """quantize_row_q8_0 then dequantized: per block of 32, d = amax / 127 (float32), q = round(x * (1 / d)), the
     block's scale kept as f16."""
+    q, d = _q8_blocks(x32, form)
+    return (q * d.astype(np.float16).astype(np.float64)).reshape(x32.shape)
+
+
+def _q8_blocks(x32: np.ndarray, form: str) -> tuple:
+    """q8_0's (and q8_1's) quantizer: per block of 32, the integers q (float64) and the float32 scale d."""
     b = x32.reshape(-1, Q8_BLOCK)
     amax = np.abs(b).max(axis=1, keepdims=True)
     d = amax / np.float32(127)
@@ -68,7 +76,21 @@ def _q8_0(x32: np.ndarray, form: str) -> np.ndarray:
     inv = np.divide(top, den, out=np.zeros_like(d), where=amax > 0)
     v = b * inv
     q = np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5) if form == "scalar" else np.rint(v)
-    return (q.astype(np.float64) * d.astype(np.float16).astype(np.float64)).reshape(x32.shape)
+    return q.astype(np.float64), d
+
+
+def block_sum_excess(x: np.ndarray, form: str = "x86") -> Optional[np.ndarray]:
+    """q8_1's block sums past what its rounded values add up to, (..., K / 32) float64: s - f16(d) * sum(q), where
+    s = f16(d * sum(q)) (quantize_row_q8_1: d float32, the sum an integer). A q4_1 / q5_1 dot product adds the
+    weights' block minimum m times s, so its node is the product with `rounded(x)` plus sum(m * this); None where
+    K is not a multiple of 32."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if x32.shape[-1] % Q8_BLOCK:
+        return None
+    q, d = _q8_blocks(x32, form)
+    total = q.sum(axis=1, keepdims=True)
+    s = (d * total.astype(np.float32)).astype(np.float16).astype(np.float64)
+    return (s - d.astype(np.float16).astype(np.float64) * total).reshape(*x32.shape[:-1], -1)
 
 
 def _q8_k(x32: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from .activations import ACTIVATIONS, Q8_FORMS, rounded
+from .activations import ACTIVATIONS, Q8_FORMS, block_sum_excess, rounded
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -197,6 +197,14 @@ def path_of(node, weights: int = 0) -> str:
     return "tf32 (cuBLAS; NVIDIA_TF32_OVERRIDE=0 makes it fp32)"
 
 
+def _with_block_sums(want: np.ndarray, excess: Optional[np.ndarray], mins: np.ndarray) -> Optional[np.ndarray]:
+    """A q4_1 / q5_1 product (..., T, rows) plus sum over blocks of the weights' minima (rows, blocks) times the
+    activations' block-sum excess (..., T, blocks): what ggml's dot product adds (activations.block_sum_excess)."""
+    if excess is None or excess.shape[-1] != mins.shape[-1] or want.shape[-1] != mins.shape[0]:
+        return None
+    return want + (excess @ mins.T).reshape(want.shape)
+
+
 class LocalErrors:
     """Per mapped node: the largest local error over the run; the first node past k x the FP32 floor (`first_over`,
     what `--local` reports); the first node past its own path's limit (`first_fault`: an FP32 node past k x the
@@ -230,8 +238,9 @@ class LocalErrors:
         """Note where a node sits in its graph (a divergence at a view, B or C, is bounded by it in at_token)."""
         self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
 
-    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0, weights: int = 0):
-        """One observed node: its local error on its path (weights: its weights' ggml type, path_of)."""
+    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0, weights: int = 0, mins=None):
+        """One observed node: its local error on its path (weights: its weights' ggml type, path_of; mins: q4_1 /
+        q5_1 weights' block minima, nodes.block_mins)."""
         path = path_of(node, weights)
         self.reduced |= not path.startswith("fp32")
         self.place(node, u, first_seq)
@@ -256,7 +265,7 @@ class LocalErrors:
                 self.explained[key] = {**where, "fp32_recompute": oracle_err}
             return
         limit, judged = path_limit(path, self.k), err
-        emulated = self._emulated(node, srcs, got, weights) if err > self.k * FP32_FLOOR else None
+        emulated = self._emulated(node, srcs, got, weights, mins) if err > self.k * FP32_FLOOR else None
         if emulated is not None:        # against what its activations' rounding gives: FP32-sized when clean
             where["emulated_error"] = emulated
             limit, judged = self.k * FP32_FLOOR, emulated
@@ -274,18 +283,23 @@ class LocalErrors:
                                              "index": node.index,
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
 
-    def _emulated(self, node, srcs: list, got: np.ndarray, weights: int) -> Optional[float]:
+    def _emulated(self, node, srcs: list, got: np.ndarray, weights: int, mins=None) -> Optional[float]:
         """A CPU build's MUL_MAT of weights in activations.ACTIVATIONS: its local error against the float64
-        product of its weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0 blocks:
-        the least over the quantizer's forms, a build uses one); None where not emulated."""
+        product of its weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0 and
+        q8_1 blocks: the least over the quantizer's forms, a build uses one); None where not emulated."""
         name = WEIGHT_TYPES.get(weights)
         if not self.emulate or node.op != "MUL_MAT" or name not in ACTIVATIONS or any(a is None for a in srcs[:2]):
             return None
+        q8_1 = ACTIVATIONS[name] == "q8_1"
+        if q8_1 and mins is None:
+            return None
         errs = []
-        for form in (Q8_FORMS if ACTIVATIONS[name] == "q8_0" else Q8_FORMS[:1]):
+        for form in (Q8_FORMS if ACTIVATIONS[name] in ("q8_0", "q8_1") else Q8_FORMS[:1]):
             x = rounded(srcs[1], name, form)
             want = None if x is None else recompute("MUL_MAT", [srcs[0].astype(np.float64, copy=False), x],
                                                     got.shape, ())
+            if want is not None and q8_1:       # the minima times the block sums' own rounding
+                want = _with_block_sums(want, block_sum_excess(srcs[1], form), mins)
             if want is None or want.shape != got.shape:
                 return None
             errs.append(rel_l2(got.astype(np.float64), want))

@@ -150,17 +150,49 @@ def weight_type(lib, addr: int) -> int:
 def read_dequantized(lib, node: Node) -> Optional[np.ndarray]:
     """A weight stored narrower than float32 in a type read_data does not read (bf16, the quantized types) as its
     float32 values, in read_data's layout (gguf-py's dequantizers, llama.cpp's formats); None where it cannot be."""
-    rows = node.ne[1] * node.ne[2] * node.ne[3]
-    if node.nb[2] != node.nb[1] * node.ne[1] or node.nb[3] != node.nb[2] * node.ne[2]:
-        return None                                 # a weight is one contiguous run of rows
+    raw = _raw_rows(lib, node)
+    if raw is None:
+        return None
     try:
         from gguf import GGMLQuantizationType  # noqa: PLC0415
         from gguf.quants import dequantize  # noqa: PLC0415
-        buf = np.empty(rows * node.nb[1], dtype=np.uint8)
-        lib.ggml_backend_tensor_get(node.addr, buf.ctypes.data, 0, buf.size)
-        return dequantize(buf.reshape(rows, node.nb[1]), GGMLQuantizationType(node.type)).reshape(node.ne[::-1])
+        return dequantize(raw, GGMLQuantizationType(node.type)).reshape(node.ne[::-1])
     except (ImportError, ValueError, NotImplementedError):
         return None
+
+
+def _raw_rows(lib, node: Node) -> Optional[np.ndarray]:
+    """A weight's bytes as (rows, bytes a row), or None when it is not one contiguous run of rows."""
+    if node.nb[2] != node.nb[1] * node.ne[1] or node.nb[3] != node.nb[2] * node.ne[2]:
+        return None
+    buf = np.empty(node.ne[1] * node.ne[2] * node.ne[3] * node.nb[1], dtype=np.uint8)
+    lib.ggml_backend_tensor_get(node.addr, buf.ctypes.data, 0, buf.size)
+    return buf.reshape(-1, node.nb[1])
+
+
+# q4_1 and q5_1 keep a minimum m per block of 32 (an f16 at byte 2 of the block: d, m, then the bits); their dot
+# product with q8_1 activations multiplies it by the activations' f16 block sum (activations.block_sum_excess)
+MIN_BLOCK_BYTES = {3: 20, 7: 24}
+
+
+def block_mins(raw: Optional[np.ndarray], ggml_type: int) -> Optional[np.ndarray]:
+    """The per-block minima m of q4_1 / q5_1 rows (raw: uint8 (rows, bytes a row)) as float64 (rows, blocks);
+    None for other types."""
+    size = MIN_BLOCK_BYTES.get(ggml_type)
+    if raw is None or size is None or raw.shape[-1] % size:
+        return None
+    blocks = np.ascontiguousarray(raw.reshape(raw.shape[0], -1, size)[:, :, 2:4])
+    return blocks.view(np.float16)[..., 0].astype(np.float64)
+
+
+def read_block_mins(lib, node: Node, gguf_path=None) -> Optional[np.ndarray]:
+    """A q4_1 / q5_1 weight's block minima: from its buffer, or from the GGUF file for a repacked one."""
+    if node.type not in MIN_BLOCK_BYTES:
+        return None
+    if not repacked(node):
+        return block_mins(_raw_rows(lib, node), node.type)
+    t = _file_tensor(gguf_path, node) if gguf_path else None
+    return None if t is None else block_mins(np.asarray(t.data).reshape(-1, t.data.shape[-1]), node.type)
 
 
 # ggml-cpu's extra buffer types keep a weight re-laid out for their kernels (q4_0 as q4_0x8 on AVX2, AMX tiles,
@@ -179,19 +211,27 @@ def read_from_file(gguf_path, node: Node) -> Optional[np.ndarray]:
     """A weight's float32 values from the GGUF file llama.cpp loaded, by its name (dequantized by gguf-py), in
     read_data's layout; None where the file, the name or its shape does not match."""
     try:
-        from gguf import GGUFReader  # noqa: PLC0415
         from gguf.quants import dequantize  # noqa: PLC0415
-        key = str(gguf_path)
-        if key not in _READERS:
-            _READERS.clear()                        # one model's file at a time
-            _READERS[key] = {t.name: t for t in GGUFReader(key).tensors}
-        t = _READERS[key].get(node.name)
+        t = _file_tensor(gguf_path, node)
         if t is None:
             return None
         data = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         want = tuple(node.ne[::-1])
         return data.reshape(want) if data.size == int(np.prod(want)) else None
     except (ImportError, ValueError, NotImplementedError, OSError):
+        return None
+
+
+def _file_tensor(gguf_path, node: Node):
+    """The GGUF file's tensor of the node's name (gguf-py's reader, one file's kept), or None."""
+    try:
+        from gguf import GGUFReader  # noqa: PLC0415
+        key = str(gguf_path)
+        if key not in _READERS:
+            _READERS.clear()                        # one model's file at a time
+            _READERS[key] = {t.name: t for t in GGUFReader(key).tensors}
+        return _READERS[key].get(node.name)
+    except (ImportError, ValueError, OSError):
         return None
 
 

@@ -6,7 +6,8 @@ error cannot tell that from a fault, so when a run used a reduced-precision path
 *local* error (its op recomputed in float64 from the inputs it really read, local.py):
 - some node past its own path's limit (FP32 nodes: k x the FP32 floor, as on the CPU; TF32 nodes: TF32_LIMIT; the
   matmuls of a GGUF's f16, bf16 or quantized weights: 4x their family's floor, local.py, except on a CPU build for
-  f16, bf16, q8_0, q4_0, q5_0 and the K-quants: k x the FP32 floor against their activations' rounding emulated, activations.py)
+  f16, bf16, q8_0, q4_0, q5_0, q4_1, q5_1 and the K-quants: k x the FP32 floor against their activations'
+  rounding emulated, activations.py)
   -> the first divergence is that node;
 - none -> `first_divergence` None (exit 0) and a `precision` list: the reduced-precision nodes whose error the FP32
   threshold would not excuse, with their path, error and floor, and the switch that removes each where one exists.
