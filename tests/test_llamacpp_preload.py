@@ -67,6 +67,7 @@ def test_the_command_line_restarts_once_with_libstdcxx_preloaded(tmp_path):
 def test_a_library_user_is_warned_with_the_fix(tmp_path, monkeypatch):
     for key in ("LD_PRELOAD", preload.GUARD, preload.OPT_OUT):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(llib, "_LOADED", None)      # an earlier test's library would refuse a second one first
     cuda = _fake_build(tmp_path, True)
     with pytest.warns(UserWarning, match="LD_PRELOAD=.*libstdc"), \
             pytest.raises(MambaDebugError, match="libllama|libggml"):
