@@ -135,18 +135,19 @@ def _tiny(out: Path):
     return model, model.encode(PROMPT)
 
 
-def _big(out: Path, n_prompt: int = 40):
-    """A random Mamba-1 shaped like mamba-2.8b (64 layers, d_model 2560), written as an f32 GGUF (11 GB)."""
+def _big(out: Path, n_prompt: int = 40, dtype: str = "f32"):
+    """A random Mamba-1 shaped like mamba-2.8b (64 layers, d_model 2560), written as a GGUF of `dtype` (f32: 11 GB;
+    f16 and q8_0: the big matrices narrower, export-gguf's rule)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_e2e import BIG, mamba_ssm_params  # noqa: PLC0415
     from mamba_debug.config import MambaConfig  # noqa: PLC0415
     cfg = MambaConfig(**BIG)
     t0 = time.perf_counter()
-    gguf = Path("/tmp/mamba-2.8b-random-f32.gguf")
+    gguf = Path(f"/tmp/mamba-2.8b-random-{dtype}.gguf")
     if not gguf.exists():            # a warm machine keeps it between calls (the weights are seeded: the same file)
         model = md.build_model(cfg, mamba_ssm_params(cfg, 0, "cuda"), source="random 2.8B-shaped")
         tmp = gguf.with_suffix(".part")
-        md.export_gguf(model, tmp, dtype="f32")
+        md.export_gguf(model, tmp, dtype=dtype)
         tmp.rename(gguf)
         del model
     model = md.load_model(gguf)
@@ -171,6 +172,7 @@ def main():
                     help="big: cells in this order, NGL:UB:S[:P],... (NGL all, half or a number; P prompt tokens, at most "
                          "--prompt-tokens); overrides the grid")
     ap.add_argument("--n-gen", type=int, default=N_GEN, help="big: generated tokens per cell")
+    ap.add_argument("--dtype", default="f32", choices=("f32", "f16", "q8_0"), help="big: the GGUF's big matrices")
     ap.add_argument("--on-demand", action="store_true",
                     help="big: local errors only when the verdict needs them (a divergence: the schedule replayed "
                          "with them), the default of compare; without it every cell runs with --local")
@@ -189,7 +191,7 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    model, ids = (_big(out, a.prompt_tokens) if a.mode == "big" else _tiny(out))
+    model, ids = (_big(out, a.prompt_tokens, a.dtype) if a.mode == "big" else _tiny(out))
     copies = None
     n = model.config.n_layer
     rows = []
@@ -242,6 +244,7 @@ def main():
         except Exception as exc:  # noqa: BLE001 (a benchmark row records what failed and goes on)
             row = {**kw, "error": f"{type(exc).__name__}: {exc}"[:600]}
         row.pop("llama_lib", None)
+        row["gguf"] = a.dtype if a.mode == "big" else "f32"
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / f"{a.mode}.json").write_text(json.dumps(rows, indent=1))    # kept if the call is cut short
