@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 import mamba_debug as md  # noqa: E402
-from mamba_debug.sides.llamacpp import activations as act, local  # noqa: E402
+from mamba_debug.sides.llamacpp import activations as act, local, preload  # noqa: E402
 
 SEEN: list = []
 
@@ -85,6 +85,8 @@ def main():
     ap.add_argument("--out", default="out/cuda_rounding_probe")
     ap.add_argument("--ubatches", default="1,8,512")
     a = ap.parse_args()
+    if a.lib:
+        preload.restart(Path(a.lib))        # a CUDA build after numpy: this script again, libstdc++ preloaded
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     _hook()
