@@ -1,9 +1,9 @@
 """A CUDA build of llama.cpp in a Python process that imported numpy first: libstdc++ preloaded.
 
-Such a process can die inside llama_model_load_from_file with no message at all (a segfault: the research note
-llamacpp-tracing.md section 3.4; this project's H200 and H100 runs of 2026-12-01 and 2026-12-06, where every
-`compare` of a CUDA build ended silently at model load until run with LD_PRELOAD). Preloading the libstdc++ the
-process already uses prevents it; the CPU build is unaffected. The binding that fails is not established (numpy's
+Such a process can die inside llama_model_load_from_file with no message at all (the research note
+llamacpp-tracing.md section 3.4; on an H100, 2026-12-06: `compare` of this project's CUDA build with the restart
+switched off ended in a segmentation fault, exit 139, twice; restarted with the preload it ran, exit 0). Preloading
+the libstdc++ the process already uses prevents it; the CPU build is unaffected. The binding that fails is not established (numpy's
 extension and libggml-cuda.so both carry std:: template symbols the loader unifies), so the rule is measured, not
 derived: a CUDA build with numpy loaded first and no libstdc++ preloaded is the hazard.
 
