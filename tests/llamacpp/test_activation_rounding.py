@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mamba_debug.sides.llamacpp.activations import Q8_FORMS, block_sum_excess, rounded
-from mamba_debug.sides.llamacpp.nodes import block_mins
+from mamba_debug.sides.llamacpp.activations import Q8_FORMS, block_sum_excess, rounded, split_sum_reach
+from mamba_debug.sides.llamacpp.nodes import offsets
 
 
 def acts(seed=0, shape=(3, 5, 96)):
@@ -86,33 +86,46 @@ def test_q8_1_block_sums_follow_ggmls_reference_loop():
 
 
 @pytest.mark.parametrize("kind, ggml_type", [("Q4_1", 3), ("Q5_1", 7)])
-def test_block_minima_are_read_from_the_raw_blocks(kind, ggml_type):
-    """gguf-py's Q4_1 / Q5_1 quantizers keep each block's minimum as m (f16): block_mins reads it from the bytes."""
+def test_block_offsets_are_read_from_the_raw_blocks(kind, ggml_type):
+    """gguf-py's Q4_1 / Q5_1 quantizers keep each block's minimum as m (f16): `offsets` finds it from the bytes."""
     gq = pytest.importorskip("gguf.quants")
     from gguf import GGMLQuantizationType as T
     w = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32)
     raw = gq.quantize(w, getattr(T, kind))
     want = w.reshape(6, 3, 32).min(axis=2).astype(np.float16).astype(np.float64)
-    assert np.array_equal(block_mins(raw, ggml_type), want)
-    assert block_mins(raw, 2) is None           # q4_0 keeps no minimum
+    assert np.array_equal(offsets(raw, ggml_type), want)
+    assert offsets(raw, 2) is None              # q4_0 keeps no offset
 
 
-def test_a_repacked_weights_minima_come_from_its_gguf_file(tmp_path):
-    """A weight in a buffer ggml cannot read back (CPU_REPACK, AMX) has its minima read from the GGUF file."""
+def test_a_repacked_weights_offsets_come_from_its_gguf_file(tmp_path):
+    """A weight in a buffer ggml cannot read back (CPU_REPACK, AMX) has its offsets read from the GGUF file."""
     gguf = pytest.importorskip("gguf")
     from types import SimpleNamespace
-    from mamba_debug.sides.llamacpp.nodes import read_block_mins
+    from mamba_debug.sides.llamacpp.nodes import read_offsets
     w = np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
     writer = gguf.GGUFWriter(str(tmp_path / "w.gguf"), "mamba")
     writer.add_tensor("blk.0.ssm_in.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     node = SimpleNamespace(name="blk.0.ssm_in.weight", type=3, backend="CPU_REPACK")
-    assert np.array_equal(read_block_mins(None, node, tmp_path / "w.gguf"), block_mins(raw, 3))
-    assert read_block_mins(None, SimpleNamespace(name="nope", type=3, backend="AMX"), tmp_path / "w.gguf") is None
+    assert np.array_equal(read_offsets(None, node, tmp_path / "w.gguf"), offsets(raw, 3))
+    assert read_offsets(None, SimpleNamespace(name="nope", type=3, backend="AMX"), tmp_path / "w.gguf") is None
 
 
 def test_not_emulated_types_and_shapes_say_so():
     x = acts()
     assert rounded(x, "iq4_nl") is None and rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None
     assert rounded(x[..., :40], "q4_1") is None and block_sum_excess(x[..., :40]) is None
+
+
+def test_split_sums_reach_grows_where_the_two_sums_cancel():
+    """float32's own error on ggml's two sums (scaled part, offsets' part): small on zero-mean activations, larger
+    past the FP32 floor where the activations are positive and wide rows make the two sums nearly cancel."""
+    g = np.random.default_rng(7)
+    rows, K = 16, 8192
+    offs = -g.uniform(0.0059, 0.0061, (rows, K // 32))   # the integers average 7.5 x 0.0008: w near zero mean
+    w = np.repeat(offs, 32, axis=1) + g.integers(0, 16, (rows, K)) * 0.0008       # an offset plus a scaled integer
+    mixed = g.standard_normal((3, K)).astype(np.float32).astype(np.float64)
+    positive = np.abs(mixed)
+    low, high = (split_sum_reach(w, x, offs, 256) for x in (mixed, positive))
+    assert low < 1e-6 < high and high > 10 * low, (low, high)

@@ -79,18 +79,67 @@ def _q8_blocks(x32: np.ndarray, form: str) -> tuple:
     return q.astype(np.float64), d
 
 
+def q8_1_sums(x: np.ndarray, form: str = "x86") -> Optional[np.ndarray]:
+    """q8_1's f16 block sums s = f16(d * sum(q)) (quantize_row_q8_1: d float32, the sum an integer), (..., K / 32)
+    float64; None where K is not a multiple of 32."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if x32.shape[-1] % Q8_BLOCK:
+        return None
+    q, d = _q8_blocks(x32, form)
+    s = (d * q.sum(axis=1, keepdims=True).astype(np.float32)).astype(np.float16).astype(np.float64)
+    return s.reshape(*x32.shape[:-1], -1)
+
+
 def block_sum_excess(x: np.ndarray, form: str = "x86") -> Optional[np.ndarray]:
     """q8_1's block sums past what its rounded values add up to, (..., K / 32) float64: s - f16(d) * sum(q), where
     s = f16(d * sum(q)) (quantize_row_q8_1: d float32, the sum an integer). A q4_1 / q5_1 dot product adds the
     weights' block minimum m times s, so its node is the product with `rounded(x)` plus sum(m * this); None where
     K is not a multiple of 32."""
-    x32 = np.ascontiguousarray(x, dtype=np.float32)
-    if x32.shape[-1] % Q8_BLOCK:
+    s = q8_1_sums(x, form)
+    if s is None:
         return None
-    q, d = _q8_blocks(x32, form)
-    total = q.sum(axis=1, keepdims=True)
-    s = (d * total.astype(np.float32)).astype(np.float16).astype(np.float64)
-    return (s - d.astype(np.float16).astype(np.float64) * total).reshape(*x32.shape[:-1], -1)
+    q, d = _q8_blocks(np.ascontiguousarray(x, dtype=np.float32), form)
+    kept = d.astype(np.float16).astype(np.float64) * q.sum(axis=1, keepdims=True)
+    return s - kept.reshape(s.shape)
+
+
+def with_block_sums(want: np.ndarray, excess: Optional[np.ndarray], offs: np.ndarray) -> Optional[np.ndarray]:
+    """A q4_1 / q5_1 product (..., T, rows) plus sum over blocks of the weights' offsets m (rows, blocks) times the
+    activations' block-sum excess (..., T, blocks): what ggml's dot product adds (block_sum_excess)."""
+    if excess is None or excess.shape[-1] != offs.shape[-1] or want.shape[-1] != offs.shape[0]:
+        return None
+    return want + (excess @ offs.T).reshape(want.shape)
+
+
+# ggml-cpu's dot product of weights that are an offset plus a scaled integer (nodes.OFFSET_LAYOUT) with their q8
+# activations keeps two float32 sums over the blocks of a row, the scaled part and the offsets' part, and adds them
+# at the end (ggml_vec_dot_q4_1_q8_1, _q4_K_q8_K, ...). Where activations are mostly positive (after SiLU: x_proj's
+# input) the two nearly cancel and float32 errs past the FP32 floor on a clean node: 1.0e-5 to 1.2e-5 at d_model 2048
+# and 2560 (random Mamba-1, Q4_1 and Q4_K_M, 2026-12-06), read DIVERGED until judged against this. By weight type:
+# the values one float32 term of those sums covers.
+SPLIT_BLOCK = {"q4_1": 32, "q5_1": 32, "q2_K": QK_K, "q4_K": QK_K, "q5_K": QK_K}
+
+
+def split_sum_reach(w: np.ndarray, xr: np.ndarray, offs: np.ndarray, block: int, sums=None) -> float:
+    """float32's own error on these inputs, summing as ggml does: rel. L2 of a float32 replay (each block's scaled
+    and offset terms added to their own float32 sums, then the two sums added) against float64.
+    w (rows, K): the dequantized weights; xr (..., K): the activations as rounded (`rounded`); offs (rows, K / span):
+    the weights' offsets; sums (..., K / 32): q8_1's f16 block sums (q4_1, q5_1: the offsets' part is m * s)."""
+    K = w.shape[-1]
+    w_off = np.repeat(offs, K // offs.shape[-1], axis=1)
+    w_sc, X = w - w_off, xr.reshape(-1, K)
+    S = None if sums is None else sums.reshape(X.shape[0], -1)
+    a32 = np.zeros((X.shape[0], w.shape[0]), np.float32)
+    m32, exact = np.zeros_like(a32), np.zeros(a32.shape)
+    for b in range(K // block):
+        cols = slice(b * block, (b + 1) * block)
+        p = X[:, cols] @ w_sc[:, cols].T
+        q = X[:, cols] @ w_off[:, cols].T if S is None else np.outer(S[:, b], offs[:, b])
+        a32 += p.astype(np.float32)
+        m32 += q.astype(np.float32)
+        exact += p + q
+    diff = np.linalg.norm((a32 + m32).astype(np.float64) - exact)
+    return float(diff / max(np.linalg.norm(exact), 1e-300))
 
 
 def _q8_k(x32: np.ndarray) -> np.ndarray:

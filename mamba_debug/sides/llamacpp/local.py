@@ -27,7 +27,8 @@ from typing import Optional
 
 import numpy as np
 
-from .activations import ACTIVATIONS, Q8_FORMS, block_sum_excess, rounded
+from .activations import (ACTIVATIONS, Q8_FORMS, SPLIT_BLOCK, block_sum_excess, q8_1_sums, rounded,
+                          split_sum_reach, with_block_sums)
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -197,14 +198,6 @@ def path_of(node, weights: int = 0) -> str:
     return "tf32 (cuBLAS; NVIDIA_TF32_OVERRIDE=0 makes it fp32)"
 
 
-def _with_block_sums(want: np.ndarray, excess: Optional[np.ndarray], mins: np.ndarray) -> Optional[np.ndarray]:
-    """A q4_1 / q5_1 product (..., T, rows) plus sum over blocks of the weights' minima (rows, blocks) times the
-    activations' block-sum excess (..., T, blocks): what ggml's dot product adds (activations.block_sum_excess)."""
-    if excess is None or excess.shape[-1] != mins.shape[-1] or want.shape[-1] != mins.shape[0]:
-        return None
-    return want + (excess @ mins.T).reshape(want.shape)
-
-
 class LocalErrors:
     """Per mapped node: the largest local error over the run; the first node past k x the FP32 floor (`first_over`,
     what `--local` reports); the first node past its own path's limit (`first_fault`: an FP32 node past k x the
@@ -238,9 +231,9 @@ class LocalErrors:
         """Note where a node sits in its graph (a divergence at a view, B or C, is bounded by it in at_token)."""
         self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
 
-    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0, weights: int = 0, mins=None):
-        """One observed node: its local error on its path (weights: its weights' ggml type, path_of; mins: q4_1 /
-        q5_1 weights' block minima, nodes.block_mins)."""
+    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0, weights: int = 0, offs=None):
+        """One observed node: its local error on its path (weights: its weights' ggml type, path_of; offs: its
+        weights' offsets, nodes.read_offsets, for the types that have them)."""
         path = path_of(node, weights)
         self.reduced |= not path.startswith("fp32")
         self.place(node, u, first_seq)
@@ -265,10 +258,12 @@ class LocalErrors:
                 self.explained[key] = {**where, "fp32_recompute": oracle_err}
             return
         limit, judged = path_limit(path, self.k), err
-        emulated = self._emulated(node, srcs, got, weights, mins) if err > self.k * FP32_FLOOR else None
+        emulated = self._emulated(node, srcs, got, weights, offs) if err > self.k * FP32_FLOOR else None
         if emulated is not None:        # against what its activations' rounding gives: FP32-sized when clean
-            where["emulated_error"] = emulated
-            limit, judged = self.k * FP32_FLOOR, emulated
+            judged, limit = emulated
+            where["emulated_error"] = judged
+            if limit > self.k * FP32_FLOOR:     # float32's own error on ggml's split sums (split_sum_reach)
+                where["fp32_split_sums"] = limit / ORACLE_MARGIN
         if self.first is None and err > self.k * FP32_FLOOR:
             self.first = {**where, "threshold": self.k * FP32_FLOOR, "limit": path_limit(path, self.k),
                           "index": node.index}
@@ -283,29 +278,35 @@ class LocalErrors:
                                              "index": node.index,
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
 
-    def _emulated(self, node, srcs: list, got: np.ndarray, weights: int, mins=None) -> Optional[float]:
-        """A CPU build's MUL_MAT of weights in activations.ACTIVATIONS: its local error against the float64
-        product of its weights with its activations rounded as ggml's CPU rounds them (activations.py; q8_0 and
-        q8_1 blocks: the least over the quantizer's forms, a build uses one); None where not emulated."""
+    def _emulated(self, node, srcs: list, got: np.ndarray, weights: int, offs=None) -> Optional[tuple]:
+        """A CPU build's MUL_MAT of weights in activations.ACTIVATIONS: (its local error against the float64 product
+        of its weights with its activations rounded as ggml's CPU rounds them, its limit); None where not emulated.
+        q8_0 and q8_1 blocks: the least error over the quantizer's forms (a build uses one). The limit is k x the
+        FP32 floor, or ORACLE_MARGIN x float32's own error where ggml's split sums cancel (split_sum_reach)."""
         name = WEIGHT_TYPES.get(weights)
         if not self.emulate or node.op != "MUL_MAT" or name not in ACTIVATIONS or any(a is None for a in srcs[:2]):
             return None
         q8_1 = ACTIVATIONS[name] == "q8_1"
-        if q8_1 and mins is None:
+        if q8_1 and offs is None:
             return None
-        errs = []
+        w, best = srcs[0].astype(np.float64, copy=False), None
         for form in (Q8_FORMS if ACTIVATIONS[name] in ("q8_0", "q8_1") else Q8_FORMS[:1]):
             x = rounded(srcs[1], name, form)
-            want = None if x is None else recompute("MUL_MAT", [srcs[0].astype(np.float64, copy=False), x],
-                                                    got.shape, ())
-            if want is not None and q8_1:       # the minima times the block sums' own rounding
-                want = _with_block_sums(want, block_sum_excess(srcs[1], form), mins)
+            want = None if x is None else recompute("MUL_MAT", [w, x], got.shape, ())
+            if want is not None and q8_1:       # the offsets times the block sums' own rounding
+                want = with_block_sums(want, block_sum_excess(srcs[1], form), offs)
             if want is None or want.shape != got.shape:
                 return None
-            errs.append(rel_l2(got.astype(np.float64), want))
-            if errs[-1] <= self.k * FP32_FLOOR:
+            err = rel_l2(got.astype(np.float64), want)
+            best = (err, form, x) if best is None or err < best[0] else best
+            if err <= self.k * FP32_FLOOR:
                 break
-        return min(errs)
+        err, form, x = best
+        w2 = w.reshape(-1, w.shape[-1])
+        if err <= self.k * FP32_FLOOR or name not in SPLIT_BLOCK or offs is None or w2.shape[0] != got.shape[-1]:
+            return err, self.k * FP32_FLOOR
+        reach = split_sum_reach(w2, x, offs, SPLIT_BLOCK[name], q8_1_sums(srcs[1], form) if q8_1 else None)
+        return err, max(self.k * FP32_FLOOR, ORACLE_MARGIN * reach)
 
     def _keep_rows(self, node, path: str, err, rows, oracle, u: int, first_seq: int):
         """Keep what at_token reads: per node of the ubatch its per-token errors (S, T) and, where a row passed the

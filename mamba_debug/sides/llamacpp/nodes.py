@@ -170,29 +170,40 @@ def _raw_rows(lib, node: Node) -> Optional[np.ndarray]:
     return buf.reshape(-1, node.nb[1])
 
 
-# q4_1 and q5_1 keep a minimum m per block of 32 (an f16 at byte 2 of the block: d, m, then the bits); their dot
-# product with q8_1 activations multiplies it by the activations' f16 block sum (activations.block_sum_excess)
-MIN_BLOCK_BYTES = {3: 20, 7: 24}
+# The types whose values are an offset plus a scaled non-negative integer: q4_1 and q5_1 (offset m per block of 32),
+# q2_K (-dmin * m per 16), q4_K and q5_K (per 32). ggml's dot products sum the offsets' part apart from the scaled
+# part (activations.split_sum_reach). By type: the block's bytes, the byte range holding the integers (zeroed, the
+# dequantized block is its offsets alone), and the values one offset spans. Layouts: ggml-common.h.
+OFFSET_LAYOUT = {3: (20, 4, 20, 32), 7: (24, 4, 24, 32), 10: (84, 16, 80, 16), 12: (144, 16, 144, 32),
+                 13: (176, 16, 176, 32)}
 
 
-def block_mins(raw: Optional[np.ndarray], ggml_type: int) -> Optional[np.ndarray]:
-    """The per-block minima m of q4_1 / q5_1 rows (raw: uint8 (rows, bytes a row)) as float64 (rows, blocks);
-    None for other types."""
-    size = MIN_BLOCK_BYTES.get(ggml_type)
-    if raw is None or size is None or raw.shape[-1] % size:
+def offsets(raw: Optional[np.ndarray], ggml_type: int) -> Optional[np.ndarray]:
+    """The offsets of a weight's rows (raw: uint8 (rows, bytes a row)) as float64 (rows, K / span): each block
+    dequantized with its integers zeroed (gguf-py); None for other types or where it cannot be."""
+    layout_ = OFFSET_LAYOUT.get(ggml_type)
+    if raw is None or layout_ is None or raw.shape[-1] % layout_[0]:
         return None
-    blocks = np.ascontiguousarray(raw.reshape(raw.shape[0], -1, size)[:, :, 2:4])
-    return blocks.view(np.float16)[..., 0].astype(np.float64)
+    size, lo, hi, span = layout_
+    blocks = raw.reshape(raw.shape[0], -1, size).copy()
+    blocks[:, :, lo:hi] = 0
+    try:
+        from gguf import GGMLQuantizationType  # noqa: PLC0415
+        from gguf.quants import dequantize  # noqa: PLC0415
+        values = dequantize(blocks.reshape(raw.shape), GGMLQuantizationType(ggml_type))
+    except (ImportError, ValueError, NotImplementedError):
+        return None
+    return values.reshape(raw.shape[0], -1, span)[:, :, 0].astype(np.float64)
 
 
-def read_block_mins(lib, node: Node, gguf_path=None) -> Optional[np.ndarray]:
-    """A q4_1 / q5_1 weight's block minima: from its buffer, or from the GGUF file for a repacked one."""
-    if node.type not in MIN_BLOCK_BYTES:
+def read_offsets(lib, node: Node, gguf_path=None) -> Optional[np.ndarray]:
+    """A weight's offsets (OFFSET_LAYOUT): from its buffer, or from the GGUF file for a repacked one."""
+    if node.type not in OFFSET_LAYOUT:
         return None
     if not repacked(node):
-        return block_mins(_raw_rows(lib, node), node.type)
+        return offsets(_raw_rows(lib, node), node.type)
     t = _file_tensor(gguf_path, node) if gguf_path else None
-    return None if t is None else block_mins(np.asarray(t.data).reshape(-1, t.data.shape[-1]), node.type)
+    return None if t is None else offsets(np.asarray(t.data).reshape(-1, t.data.shape[-1]), node.type)
 
 
 # ggml-cpu's extra buffer types keep a weight re-laid out for their kernels (q4_0 as q4_0x8 on AVX2, AMX tiles,

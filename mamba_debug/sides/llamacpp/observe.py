@@ -36,7 +36,7 @@ from . import defer, recall
 from .lib import GgmlTensor
 from .local import OPS as LOCAL_OPS
 from .nodes import (DTYPES, HEAD_NAMES, WEIGHT_PREFIXES, GraphMap, host_array, model_input, read_data,
-                    read_block_mins, read_dequantized, read_from_file, read_node, repacked)
+                    read_dequantized, read_from_file, read_node, read_offsets, repacked)
 
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
@@ -111,7 +111,7 @@ class Tracer:
         self.local = self.fault = None
         self.weights: dict = {}         # --local: weights as float64, read once
         self.weight_types: dict = {}    # --local: a weight's ggml type, by address (a MUL_MAT's arithmetic path)
-        self.weight_mins: dict = {}     # --local: a q4_1 / q5_1 weight's block minima, by address (their emulation)
+        self.weight_offsets: dict = {}  # --local: a weight's offsets (q4_1, q5_1, q2_K, q4_K, q5_K), by address
         self.recall_key = None if model is None else \
             (str(lib.path), lib.version, lib.commit, model, tuple(kinds), observed)
         self._reset_trie()
@@ -136,7 +136,7 @@ class Tracer:
         """Drop all but the trie and its buffers: its context is kept for the next run (contexts.py). What recall.py
         remembers goes to disk if it grew (the next process recalls its first graphs)."""
         recall.persist(self.recall_key)
-        self.weights, self.weight_types, self.weight_mins = {}, {}, {}
+        self.weights, self.weight_types, self.weight_offsets = {}, {}, {}
         self.tracing, self.local, self.fault, self.cur, self.gm = False, None, None, None, None
         self.graphs, self.names, self.data, self.at, self.checked, self.bufs = [], {}, {}, None, set(), {}
 
@@ -407,8 +407,8 @@ class Tracer:
                 or node.name in HEAD_NAMES:
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
             weights = self.weight_types.get(node.src[0], 0) if node.src else 0     # picks a MUL_MAT's path
-            mins = self.weight_mins.get(node.src[0]) if node.src else None
-            self.local.add(node, srcs, data, self.u, self.first_seq, weights, mins)
+            offs = self.weight_offsets.get(node.src[0]) if node.src else None
+            self.local.add(node, srcs, data, self.u, self.first_seq, weights, offs)
         elif node.site:                 # a compared view (B, C): where a divergence there sits in the graph
             self.local.place(node, self.u, self.first_seq)
 
@@ -422,7 +422,7 @@ class Tracer:
         weight = leaf.name.startswith(WEIGHT_PREFIXES)
         if weight:
             self.weight_types[addr] = leaf.type
-            self.weight_mins[addr] = read_block_mins(self.lib, leaf, self.gguf_path)    # q4_1, q5_1; else None
+            self.weight_offsets[addr] = read_offsets(self.lib, leaf, self.gguf_path)    # None: a type without
         if repacked(leaf):              # ggml cannot read it back: the file's values, for a weight
             data = read_from_file(self.gguf_path, leaf) if weight and self.gguf_path else None
             if data is not None:

@@ -56,16 +56,19 @@ def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
     paths = sorted({_family(r["path"]) for r in items})
     first = items[0]
     where = "the output head" if first["layer"] is None else f"layer {first['layer']}"
-    emulated = [r["emulated_error"] for r in items if "emulated_error" in r]
+    emulated = [r["emulated_error"] for r in items if "emulated_error" in r and "fp32_split_sums" not in r]
+    split = [(r["emulated_error"], r["fp32_split_sums"]) for r in items if "fp32_split_sums" in r]
     return None, {
         "text": f"precision: {' and '.join(paths)} from {where} ({first['site']}); {len(items)} reduced-"
                 f"precision node(s), each within its path's floor; no node past its own limit"
                 + (f"; {len(emulated)} of them within the FP32 floor of their activations' rounding, emulated "
-                   f"(worst {max(emulated):.2g})" if emulated else ""),
+                   f"(worst {max(emulated):.2g})" if emulated else "")
+                + (f"; {len(split)} within 4x float32's own error on ggml's split sums of their emulated product "
+                   f"(worst {max(e for e, _ in split):.2g}, float32's {max(f for _, f in split):.2g})" if split else ""),
         "drift_from": fd, "switches": sorted({SWITCHES[p if p.startswith("TF32") else "weights"] for p in paths}),
         "items": [{"layer": r["layer"], "site": r["site"], "node": r["name"], "op": r["op"], "path": r["path"],
                    "error": r["error"], "floor": r["floor"], "limit": r["limit"], "ubatch": r["ubatch"],
-                   **({"emulated_error": r["emulated_error"]} if "emulated_error" in r else {})}
+                   **{k: r[k] for k in ("emulated_error", "fp32_split_sums") if k in r}}
                   for r in items]}
 
 
