@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import mamba_debug as md  # noqa: E402
 from mamba_debug.compare import run_compare  # noqa: E402
 from mamba_debug.settings import RunSettings  # noqa: E402
+from mamba_debug.sides.llamacpp import preload  # noqa: E402
 from mamba_debug.views.summary import local_line, to_json  # noqa: E402
 
 N_GEN = 4
@@ -188,6 +189,7 @@ def main():
     ap.add_argument("--out", default="out/llamacpp_h200")
     ap.add_argument("--lib", default=str(ROOT / "build/llama-cuda/bin"))
     a = ap.parse_args()
+    preload.restart(Path(a.lib))        # a CUDA build after numpy: this script again, libstdc++ preloaded
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

@@ -15,8 +15,12 @@ from mamba_debug.config import MambaConfig  # noqa: E402
 from mamba_debug.settings import RunSettings  # noqa: E402
 from mamba_debug.views.summary import to_json  # noqa: E402
 
+from mamba_debug.sides.llamacpp import preload  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_e2e import mamba_ssm_params  # noqa: E402
+
+preload.restart(ROOT / "build/llama-cuda/bin")     # a CUDA build after numpy: this script again, libstdc++ preloaded
 
 
 def rel(a, b):
