@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mamba_debug.sides.llamacpp.activations import Q8_FORMS, block_sum_excess, rounded, split_sum_reach
+from mamba_debug.sides.llamacpp.activations import (Q8_FORMS, q8_1_sums, rounded, split_sum_reach,
+                                                    with_block_sums)
 from mamba_debug.sides.llamacpp.nodes import offsets
 
 
@@ -69,20 +70,23 @@ def test_q8_k_follows_ggmls_reference_loop():
 
 def test_q8_1_block_sums_follow_ggmls_reference_loop():
     """quantize_row_q8_1_ref, one block at a time: d = amax / 127, q = roundf(x / d), s = f16(sum(q) * d) with d in
-    float32; the values are q8_0's, and block_sum_excess is s less what the kept f16(d) times sum(q) gives."""
+    float32; the values are q8_0's, and with_block_sums adds each offset times s less what the kept f16(d) times
+    sum(q) gives."""
     x = np.nan_to_num(acts(4, (2, 3, 128)))
-    want = []
+    sums, excess = [], []
     for block in x.reshape(-1, 32):
         d = np.float32(np.abs(block).max()) / np.float32(127)
         inv = np.float32(1) / d if d else np.float32(0)
         q = [float(np.sign(v * inv) * np.floor(abs(float(np.float32(v * inv))) + 0.5)) for v in block]
         total = int(sum(q))
-        s = float(np.float16(np.float32(total) * d))
-        want.append(s - float(np.float16(d)) * total)
-    got = block_sum_excess(x, "scalar")
-    assert got.shape == (2, 3, 4) and np.array_equal(got.reshape(-1), np.array(want))
-    assert np.array_equal(rounded(x, "q4_1", "scalar"), rounded(x, "q8_0", "scalar"))
-    assert np.abs(got).max() > 0                # the f16 sum is a rounding of its own, not zero
+        sums.append(float(np.float16(np.float32(total) * d)))
+        excess.append(sums[-1] - float(np.float16(d)) * total)
+    got = q8_1_sums(x, "scalar")
+    assert got.shape == (2, 3, 4) and np.array_equal(got.reshape(-1), np.array(sums))
+    xr = rounded(x, "q4_1", "scalar")
+    assert np.array_equal(xr, rounded(x, "q8_0", "scalar"))
+    unit = with_block_sums(np.zeros((2, 3, 4)), xr, got, np.eye(4))      # offsets of 1 per block: the excess itself
+    assert np.array_equal(unit.reshape(-1), np.array(excess)) and np.abs(unit).max() > 0
 
 
 @pytest.mark.parametrize("kind, ggml_type", [("Q4_1", 3), ("Q5_1", 7)])
@@ -115,7 +119,7 @@ def test_a_repacked_weights_offsets_come_from_its_gguf_file(tmp_path):
 def test_not_emulated_types_and_shapes_say_so():
     x = acts()
     assert rounded(x, "iq4_nl") is None and rounded(x, "q4_K") is None and rounded(x[..., :40], "q8_0") is None
-    assert rounded(x[..., :40], "q4_1") is None and block_sum_excess(x[..., :40]) is None
+    assert rounded(x[..., :40], "q4_1") is None and q8_1_sums(x[..., :40]) is None
 
 
 def test_split_sums_reach_grows_where_the_two_sums_cancel():

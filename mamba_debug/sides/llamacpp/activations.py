@@ -12,7 +12,7 @@ Only the types verified against a CPU build are emulated (`ACTIVATIONS`: f16, bf
 activations are q8_0 blocks; the K-quants q2_K to q6_K, whose activations are q8_K blocks of 256 with a float32
 scale; q4_1 and q5_1, whose activations are q8_1 blocks: q8_0's values plus an f16 sum s = d * sum(q) that the dot
 product multiplies by the weights' block minimum m, so their node is the product with the rounded x plus
-sum over blocks of m * (s - f16(d) * sum(q)): `block_sum_excess`); others keep their family's floor
+sum over blocks of m * (s - f16(d) * sum(q)): `with_block_sums`); others keep their family's floor
 (local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or cuBLAS on converted operands): only a
 build without a GPU is emulated, so that no node ran elsewhere.
 """
@@ -90,24 +90,13 @@ def q8_1_sums(x: np.ndarray, form: str = "x86") -> Optional[np.ndarray]:
     return s.reshape(*x32.shape[:-1], -1)
 
 
-def block_sum_excess(x: np.ndarray, form: str = "x86") -> Optional[np.ndarray]:
-    """q8_1's block sums past what its rounded values add up to, (..., K / 32) float64: s - f16(d) * sum(q), where
-    s = f16(d * sum(q)) (quantize_row_q8_1: d float32, the sum an integer). A q4_1 / q5_1 dot product adds the
-    weights' block minimum m times s, so its node is the product with `rounded(x)` plus sum(m * this); None where
-    K is not a multiple of 32."""
-    s = q8_1_sums(x, form)
-    if s is None:
+def with_block_sums(want: np.ndarray, xr: np.ndarray, sums: Optional[np.ndarray], offs: np.ndarray):
+    """A q4_1 / q5_1 product with the rounded activations xr, want (..., T, rows), plus what ggml's dot product adds:
+    the weights' offsets m (rows, blocks) times q8_1's f16 block sums (sums, `q8_1_sums`) past what xr's blocks add
+    up to (f16(d) * sum(q)); None where the shapes do not meet."""
+    if sums is None or sums.shape[-1] != offs.shape[-1] or want.shape[-1] != offs.shape[0]:
         return None
-    q, d = _q8_blocks(np.ascontiguousarray(x, dtype=np.float32), form)
-    kept = d.astype(np.float16).astype(np.float64) * q.sum(axis=1, keepdims=True)
-    return s - kept.reshape(s.shape)
-
-
-def with_block_sums(want: np.ndarray, excess: Optional[np.ndarray], offs: np.ndarray) -> Optional[np.ndarray]:
-    """A q4_1 / q5_1 product (..., T, rows) plus sum over blocks of the weights' offsets m (rows, blocks) times the
-    activations' block-sum excess (..., T, blocks): what ggml's dot product adds (block_sum_excess)."""
-    if excess is None or excess.shape[-1] != offs.shape[-1] or want.shape[-1] != offs.shape[0]:
-        return None
+    excess = sums - xr.reshape(*xr.shape[:-1], -1, Q8_BLOCK).sum(axis=-1)
     return want + (excess @ offs.T).reshape(want.shape)
 
 

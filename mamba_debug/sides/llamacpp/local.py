@@ -27,8 +27,8 @@ from typing import Optional
 
 import numpy as np
 
-from .activations import (ACTIVATIONS, Q8_FORMS, SPLIT_BLOCK, block_sum_excess, q8_1_sums, rounded,
-                          split_sum_reach, with_block_sums)
+from .activations import (ACTIVATIONS, Q8_FORMS, SPLIT_BLOCK, q8_1_sums, rounded, split_sum_reach,
+                          with_block_sums)
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -260,10 +260,10 @@ class LocalErrors:
         limit, judged = path_limit(path, self.k), err
         emulated = self._emulated(node, srcs, got, weights, offs) if err > self.k * FP32_FLOOR else None
         if emulated is not None:        # against what its activations' rounding gives: FP32-sized when clean
-            judged, limit = emulated
-            where["emulated_error"] = judged
-            if limit > self.k * FP32_FLOOR:     # float32's own error on ggml's split sums (split_sum_reach)
-                where["fp32_split_sums"] = limit / ORACLE_MARGIN
+            judged, reach = emulated
+            where["emulated_error"], limit = judged, self.k * FP32_FLOOR
+            if reach is not None and ORACLE_MARGIN * reach > limit:     # float32's own error on ggml's split sums
+                where["fp32_split_sums"], limit = reach, ORACLE_MARGIN * reach
         if self.first is None and err > self.k * FP32_FLOOR:
             self.first = {**where, "threshold": self.k * FP32_FLOOR, "limit": path_limit(path, self.k),
                           "index": node.index}
@@ -280,9 +280,9 @@ class LocalErrors:
 
     def _emulated(self, node, srcs: list, got: np.ndarray, weights: int, offs=None) -> Optional[tuple]:
         """A CPU build's MUL_MAT of weights in activations.ACTIVATIONS: (its local error against the float64 product
-        of its weights with its activations rounded as ggml's CPU rounds them, its limit); None where not emulated.
-        q8_0 and q8_1 blocks: the least error over the quantizer's forms (a build uses one). The limit is k x the
-        FP32 floor, or ORACLE_MARGIN x float32's own error where ggml's split sums cancel (split_sum_reach)."""
+        of its weights with its activations rounded as ggml's CPU rounds them, and where that passes the FP32 floor
+        on weights with offsets float32's own error on ggml's split sums, split_sum_reach, else None); None where
+        not emulated. q8_0 and q8_1 blocks: the least error over the quantizer's forms (a build uses one)."""
         name = WEIGHT_TYPES.get(weights)
         if not self.emulate or node.op != "MUL_MAT" or name not in ACTIVATIONS or any(a is None for a in srcs[:2]):
             return None
@@ -293,20 +293,20 @@ class LocalErrors:
         for form in (Q8_FORMS if ACTIVATIONS[name] in ("q8_0", "q8_1") else Q8_FORMS[:1]):
             x = rounded(srcs[1], name, form)
             want = None if x is None else recompute("MUL_MAT", [w, x], got.shape, ())
+            sums = q8_1_sums(srcs[1], form) if q8_1 else None
             if want is not None and q8_1:       # the offsets times the block sums' own rounding
-                want = with_block_sums(want, block_sum_excess(srcs[1], form), offs)
+                want = with_block_sums(want, x, sums, offs)
             if want is None or want.shape != got.shape:
                 return None
             err = rel_l2(got.astype(np.float64), want)
-            best = (err, form, x) if best is None or err < best[0] else best
+            best = (err, x, sums) if best is None or err < best[0] else best
             if err <= self.k * FP32_FLOOR:
                 break
-        err, form, x = best
+        err, x, sums = best
         w2 = w.reshape(-1, w.shape[-1])
         if err <= self.k * FP32_FLOOR or name not in SPLIT_BLOCK or offs is None or w2.shape[0] != got.shape[-1]:
-            return err, self.k * FP32_FLOOR
-        reach = split_sum_reach(w2, x, offs, SPLIT_BLOCK[name], q8_1_sums(srcs[1], form) if q8_1 else None)
-        return err, max(self.k * FP32_FLOOR, ORACLE_MARGIN * reach)
+            return err, None
+        return err, split_sum_reach(w2, x, offs, SPLIT_BLOCK[name], sums)
 
     def _keep_rows(self, node, path: str, err, rows, oracle, u: int, first_seq: int):
         """Keep what at_token reads: per node of the ubatch its per-token errors (S, T) and, where a row passed the

@@ -63,7 +63,8 @@ def judge(res, local: dict) -> tuple[Optional[dict], Optional[dict]]:
                 f"precision node(s), each within its path's floor; no node past its own limit"
                 + (f"; {len(emulated)} of them within the FP32 floor of their activations' rounding, emulated "
                    f"(worst {max(emulated):.2g})" if emulated else "")
-                + (f"; {len(split)} within 4x float32's own error on ggml's split sums of their emulated product "
+                + (f"; {len(split)} within {ORACLE_MARGIN:g}x float32's own error on ggml's split sums of their "
+                   f"emulated product "
                    f"(worst {max(e for e, _ in split):.2g}, float32's {max(f for _, f in split):.2g})" if split else ""),
         "drift_from": fd, "switches": sorted({SWITCHES[p if p.startswith("TF32") else "weights"] for p in paths}),
         "items": [{"layer": r["layer"], "site": r["site"], "node": r["name"], "op": r["op"], "path": r["path"],
