@@ -106,3 +106,20 @@ def test_without_reduced_precision_the_propagated_verdict_stands():
     matmul_with_error(local, node("MUL_MAT", "CPU", 512, 0, "xz", 14), 1e-3)
     assert judge(result(DRIFT), local) == (DRIFT, None)
     assert judge(result(None), local) == (None, None)
+
+
+def test_an_emulated_nodes_worst_is_its_judged_error(monkeypatch):
+    """A narrow-weight node is judged by its error against the emulated rounding, so the record the precision list
+    keeps of it is the ubatch with the largest such error, not the largest plain one (a node excused near its limit
+    at one ubatch once stayed out of the report behind another ubatch's larger plain error)."""
+    local = LocalErrors(10.0, emulate=True)
+    judged = iter([(2e-6, None), (8e-6, None)])
+    monkeypatch.setattr(LocalErrors, "_emulated", lambda self, *a, **k: next(judged))
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 64))
+    for u, rel in ((0, 1e-3), (1, 5e-4)):
+        x = rng.standard_normal((1, 1, 4, 64))
+        got = (x @ w.T) * (1 + rel * rng.choice([-1.0, 1.0], size=(1, 1, 4, 32)))
+        local.add(node("MUL_MAT", "CPU", 4, 2, "MUL_MAT#2", 20), [w[None, None], x], got.astype(np.float32), u, 0, 1)
+    (kept,) = local.excused.values()
+    assert kept["ubatch"] == 1 and kept["emulated_error"] == 8e-6 and local.fault is None

@@ -272,8 +272,8 @@ class LocalErrors:
                 self.fault = {**where, "threshold": limit, **({"error": judged, "plain_error": err,
                                                               "path": path[:-1] + ", emulated)"} if emulated else {})}
         elif err > self.k * FP32_FLOOR:
-            old = self.excused.get((key, path))
-            if old is None or err > old["error"]:       # its worst error, where the node first passed the floor
+            old = self.excused.get((key, path))         # its worst judged error, where the node first passed the floor
+            if old is None or judged > old.get("emulated_error", old["error"]):
                 self.excused[(key, path)] = {**where, "floor": path_floor(path), "limit": path_limit(path, self.k),
                                              "index": node.index,
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
