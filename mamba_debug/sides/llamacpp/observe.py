@@ -422,7 +422,8 @@ class Tracer:
         weight = leaf.name.startswith(WEIGHT_PREFIXES)
         if weight:
             self.weight_types[addr] = leaf.type
-            self.weight_offsets[addr] = read_offsets(self.lib, leaf, self.gguf_path)    # None: a type without
+            if self.local is not None and self.local.emulate:     # only the CPU build's emulation reads them
+                self.weight_offsets[addr] = read_offsets(self.lib, leaf, self.gguf_path)   # None: a type without
         if repacked(leaf):              # ggml cannot read it back: the file's values, for a weight
             data = read_from_file(self.gguf_path, leaf) if weight and self.gguf_path else None
             if data is not None:
