@@ -98,7 +98,18 @@ def test_block_offsets_are_read_from_the_raw_blocks(kind, ggml_type):
     raw = gq.quantize(w, getattr(T, kind))
     want = w.reshape(6, 3, 32).min(axis=2).astype(np.float16).astype(np.float64)
     assert np.array_equal(offsets(raw, ggml_type), want)
-    assert offsets(raw, 2) is None              # q4_0 keeps no offset
+    assert offsets(raw, 8) is None              # q8_0 keeps no offset
+
+
+@pytest.mark.parametrize("kind, ggml_type, shift", [("Q4_0", 2, 8), ("Q5_0", 6, 16)])
+def test_q4_0_and_q5_0_offsets_are_their_constant_times_the_scale(kind, ggml_type, shift):
+    """q4_0 and q5_0 hold d * (q - 8) and d * (q - 16): with the integers zeroed a block is -8 d / -16 d (what
+    CUDA's mmvq multiplies by the activations' block sums)."""
+    gq = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType as T
+    raw = gq.quantize(np.random.default_rng(8).standard_normal((5, 128)).astype(np.float32), getattr(T, kind))
+    d = raw.reshape(5, 4, -1)[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    assert np.array_equal(offsets(raw, ggml_type), -shift * d)
 
 
 def test_a_repacked_weights_offsets_come_from_its_gguf_file(tmp_path):

@@ -13,8 +13,14 @@ activations are q8_0 blocks; the K-quants q2_K to q6_K, whose activations are q8
 scale; q4_1 and q5_1, whose activations are q8_1 blocks: q8_0's values plus an f16 sum s = d * sum(q) that the dot
 product multiplies by the weights' block minimum m, so their node is the product with the rounded x plus
 sum over blocks of m * (s - f16(d) * sum(q)): `with_block_sums`); others keep their family's floor
-(local.WEIGHT_FLOORS). CUDA's kernels round otherwise (q8_1 with x / d, or cuBLAS on converted operands): only a
-build without a GPU is emulated, so that no node ran elsewhere.
+(local.WEIGHT_FLOORS).
+
+A CUDA build: a quantized MUL_MAT of at most 8 columns runs mul_mat_vec_q (mmvq), which rounds the activations to
+q8_1 blocks of 32 (quantize.cu: d = amax / 127, q = roundf(x / d), d kept as f16) and multiplies them in integers
+(vecdotq.cuh). q8_0 and the K-quants meet them through their integers alone (the plain product with the rounded x);
+q4_0 and q5_0 subtract their constant offset times the block's f16 sum of the unrounded x (`cuda_sums`). Those are
+emulated on a CUDA node of a CUDA build (`CUDA_MMVQ`; measured on an H100). Its other paths (q4_1 / q5_1, which
+multiply their scales in f16; MMQ at more columns; f16 weights) keep their family's floor (emulation(): None).
 """
 from __future__ import annotations
 
@@ -34,6 +40,143 @@ QK_K = 256                              # the K-quants' super-block: q8_K activa
 # halves to even), the scalar reference (1 / d, C's roundf: halves away from zero). A build uses one; they differ only
 # where x / d lands within an ulp of a half (one value in ~10^5: on the shipped model at ubatch 512 one token's row).
 Q8_FORMS = ("x86", "arm", "scalar")
+# CUDA's quantize_q8_1: roundf(x / d) (a division, halves away from zero); the other two forms differ from it only at
+# halves as well, and are tried after it the same way (a build compiled with fast math divides approximately).
+CUDA_FORMS = ("cuda", "arm", "x86")
+
+
+# A CUDA build's mul_mat_vec_q (MMVQ_MAX_BATCH_SIZE: a quantized MUL_MAT of at most 8 columns, src1's ne[1]) by
+# weight type: "sums" where its dot product meets q8_1's f16 block sum of the unrounded x (q4_0's -8 d and q5_0's
+# -16 d offsets), None where the integers alone meet the activations (the plain product with the rounded x).
+CUDA_MMVQ = {"q8_0": None, "q4_0": "sums", "q5_0": "sums", **{f"q{b}_K": None for b in (2, 3, 4, 5, 6)}}
+MMVQ_MAX_COLS = 8
+# Its two float parts that may cancel: q4_0 / q5_0 in each block's d * (d8 * sum(q) - offset * s8), the K-quants
+# with minima in sumf_d and sumf_m per super-block (q3_K and q6_K subtract their offsets in the integers).
+CUDA_SPLIT_BLOCK = {"q4_0": Q8_BLOCK, "q5_0": Q8_BLOCK, "q2_K": QK_K, "q4_K": QK_K, "q5_K": QK_K}
+
+
+def emulation(build: Optional[str], weights: Optional[str], node) -> Optional[str]:
+    """How a MUL_MAT node of `weights` (a WEIGHT_TYPES name) rounded its activations, where that is emulated: "cpu"
+    for a node that ran on the CPU (every node of a CPU build; a CUDA build's layers left on the CPU, whose outputs
+    lie in host memory: a node sent to the GPU by op offload has its output there), "cuda" for a CUDA build's node
+    in device memory that ran mmvq; else None."""
+    kernel = kernel_of(build, node)
+    if kernel == "cpu" and weights in ACTIVATIONS:
+        return "cpu"
+    if kernel == "cuda" and weights in CUDA_MMVQ and node.ne[1] <= MMVQ_MAX_COLS:
+        return "cuda"
+    return None
+
+
+def kernel_of(build: Optional[str], tensor) -> Optional[str]:
+    """"cpu" or "cuda": whose rounding a tensor of that build met (by the memory it lies in), None for another."""
+    if build == "cuda":
+        return "cuda" if on_cuda(tensor) else "cpu"
+    return build if build == "cpu" else None
+
+
+def on_cuda(node) -> bool:
+    """Did the node run on a CUDA device (its output in device memory, not CUDA_Host's pinned host memory)?"""
+    return node.backend.startswith("CUDA") and node.backend != "CUDA_Host"
+
+
+def wants_offsets(build: Optional[str], weights: Optional[str], weight) -> bool:
+    """Does that build's emulation of `weights` read the offsets (nodes.read_offsets) of the weight tensor `weight`
+    (on a CUDA build its matmul runs where the weight lies, or is sent to the GPU at 32 columns, never emulated)?"""
+    kernel = kernel_of(build, weight)
+    if kernel == "cpu":
+        return weights in SPLIT_BLOCK or ACTIVATIONS.get(weights) == "q8_1"
+    return kernel == "cuda" and weights in CUDA_SPLIT_BLOCK
+
+
+def roundings(kernel: str, weights: str, x: np.ndarray) -> list:
+    """The activations x (..., K) as `kernel` ("cpu" or "cuda", emulation()) rounds them for `weights`: one
+    (rounded x, block sums or None) per quantizer form it may use (a build uses one), or [] where K does not fit."""
+    if kernel == "cuda":
+        if x.shape[-1] % Q8_BLOCK:
+            return []
+        sums = cuda_sums(x) if CUDA_MMVQ[weights] == "sums" else None
+        return [(_q8_0(np.ascontiguousarray(x, dtype=np.float32), f), sums) for f in CUDA_FORMS]
+    to = ACTIVATIONS[weights]
+    out = []
+    for form in (Q8_FORMS if to in ("q8_0", "q8_1") else Q8_FORMS[:1]):
+        xr = rounded(x, weights, form)
+        if xr is not None:
+            out.append((xr, q8_1_sums(x, form) if to == "q8_1" else None))
+    return out
+
+
+# ggml-cuda is built with -use_fast_math: quantize_q8_1's x / d and amax / 127 are approximate divisions (within 2
+# ulp), so a value within a few ulp of a half may round the other way than the emulation, and a scale within a few ulp
+# of an f16 rounding midpoint may keep the other f16 (measured on an H100, 2026-12-06: one clean q6_K head node of 24
+# cells read 1e-3 past its emulation from one such value). These are the changes such a value or block may make.
+TIE_ULPS = 2.0 ** -20           # 8 float32 ulps, relative
+
+
+def cuda_ties(x: np.ndarray) -> list:
+    """Where CUDA's rounding of x (..., K) may differ from `_q8_0(x, "cuda")`: (row of x flattened to (N, K), block,
+    the change to that block's 32 rounded values if it does), for each value within TIE_ULPS of a half and each
+    block whose scale lies within TIE_ULPS of an f16 midpoint."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if x32.shape[-1] % Q8_BLOCK:
+        return []
+    b = x32.reshape(-1, x32.shape[-1] // Q8_BLOCK, Q8_BLOCK)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    d32 = amax / np.float32(127)
+    d = d32.astype(np.float64)
+    h = d32.astype(np.float16)
+    v = np.divide(b.astype(np.float64), d, out=np.zeros(b.shape), where=d > 0)
+    a = np.abs(v)
+    frac = a - np.floor(a)
+    q = np.sign(v) * np.floor(a + 0.5)
+    other = np.sign(v) * np.where(frac >= 0.5, np.floor(a), np.floor(a) + 1)
+    ties = []
+    for n, k, i in zip(*np.nonzero(np.abs(frac - 0.5) <= TIE_ULPS * np.maximum(a, 1.0))):
+        dx = np.zeros(Q8_BLOCK)
+        dx[i] = (other[n, k, i] - q[n, k, i]) * float(h[n, k, 0])
+        ties.append((n, k, dx))
+    side = np.where(d > h.astype(np.float64), np.inf, -np.inf).astype(np.float16)
+    h2 = np.nextafter(h, side)
+    mid = (h.astype(np.float64) + h2.astype(np.float64)) / 2
+    for n, k, _ in zip(*np.nonzero((np.abs(d - mid) <= TIE_ULPS * d) & (d > 0))):
+        ties.append((n, k, q[n, k] * (float(h2[n, k, 0]) - float(h[n, k, 0]))))
+    return ties
+
+
+def settle_ties(got: np.ndarray, want: np.ndarray, w: np.ndarray, x: np.ndarray, offs=None) -> Optional[float]:
+    """The rel. L2 of got against the emulation `want` once each of cuda_ties(x) is taken the other way where that
+    brings its row closer (the product's change is the weights' columns times the values' change: the scaled part
+    alone, w less its offsets, where the block sums carry the offsets); None where the shapes do not fit. A fault
+    spread over a node is no such rank-one change and stays."""
+    w2 = w.reshape(-1, w.shape[-1])
+    if want.size != got.size or want.shape[-1] != w2.shape[0]:
+        return None
+    if offs is not None:
+        w2 = w2 - np.repeat(offs, w2.shape[1] // offs.shape[-1], axis=1)
+    r = (got.astype(np.float64) - want).reshape(-1, w2.shape[0])
+    for n, k, dx in cuda_ties(x):
+        c = w2[:, k * Q8_BLOCK:(k + 1) * Q8_BLOCK] @ dx
+        if np.dot(r[n] - c, r[n] - c) < np.dot(r[n], r[n]):
+            r[n] -= c
+    return float(np.linalg.norm(r) / max(np.linalg.norm(want), 1e-300))
+
+
+def split_block(kernel: str, weights: str) -> Optional[int]:
+    """The values one float32 term of the kernel's split sums covers (split_sum_reach), None where it keeps one."""
+    return (CUDA_SPLIT_BLOCK if kernel == "cuda" else SPLIT_BLOCK).get(weights)
+
+
+def cuda_sums(x: np.ndarray) -> Optional[np.ndarray]:
+    """quantize_q8_1's f16 block sums on CUDA, (..., K / 32) float64: each block's float32 values summed by the
+    warp's butterfly (warp_reduce_sum: lane i adds lane i ^ 16, ^ 8, ^ 4, ^ 2, ^ 1), then rounded to f16."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if x32.shape[-1] % Q8_BLOCK:
+        return None
+    v = x32.reshape(-1, Q8_BLOCK)
+    lanes = np.arange(Q8_BLOCK)
+    for step in (16, 8, 4, 2, 1):
+        v = v + v[:, lanes ^ step]
+    return v[:, 0].astype(np.float16).astype(np.float64).reshape(*x32.shape[:-1], -1)
 
 
 def rounded(x: np.ndarray, weights: str, form: str = "x86") -> Optional[np.ndarray]:
@@ -72,10 +215,12 @@ def _q8_blocks(x32: np.ndarray, form: str) -> tuple:
     b = x32.reshape(-1, Q8_BLOCK)
     amax = np.abs(b).max(axis=1, keepdims=True)
     d = amax / np.float32(127)
-    top, den = (np.float32(127), amax) if form == "x86" else (np.float32(1), d)
-    inv = np.divide(top, den, out=np.zeros_like(d), where=amax > 0)
-    v = b * inv
-    q = np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5) if form == "scalar" else np.rint(v)
+    if form == "cuda":
+        v = np.divide(b, d, out=np.zeros_like(b), where=amax > 0)
+    else:
+        top, den = (np.float32(127), amax) if form == "x86" else (np.float32(1), d)
+        v = b * np.divide(top, den, out=np.zeros_like(d), where=amax > 0)
+    q = np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5) if form in ("scalar", "cuda") else np.rint(v)
     return q.astype(np.float64), d
 
 

@@ -149,6 +149,15 @@ class Library:
     def has_gpu(self) -> bool:
         return any(kind in ("gpu", "igpu") for _, kind in self.devices)
 
+    @property
+    def rounding(self) -> Optional[str]:
+        """The build whose narrow-weight rounding --local emulates (activations.emulation): "cpu" without a GPU,
+        "cuda" where every GPU is a CUDA device, None for another GPU back-end (its kernels are not emulated)."""
+        gpus = [name for name, kind in self.devices if kind in ("gpu", "igpu")]
+        if not gpus:
+            return "cpu"
+        return "cuda" if all(name.startswith("CUDA") for name in gpus) else None
+
 
 _LOADED: Optional[Library] = None
 

@@ -27,8 +27,8 @@ from typing import Optional
 
 import numpy as np
 
-from .activations import (ACTIVATIONS, Q8_FORMS, SPLIT_BLOCK, q8_1_sums, rounded, split_sum_reach,
-                          with_block_sums)
+from .activations import (MMVQ_MAX_COLS, emulation, on_cuda, roundings, settle_ties, split_block,
+                          split_sum_reach, with_block_sums)
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -185,8 +185,9 @@ def path_of(node, weights: int = 0) -> str:
     if wt:
         name = WEIGHT_TYPES.get(wt, f"type {wt}")
         family = name if name in WEIGHT_FLOORS else "8-bit"
-        return f"{family} weights ({name}; activations rounded to {family})"
-    if not node.backend.startswith("CUDA") or node.backend == "CUDA_Host" or node.op != "MUL_MAT":
+        mmvq = family == "8-bit" and on_cuda(node) and node.ne[1] <= MMVQ_MAX_COLS     # CUDA's vector kernel
+        return f"{family} weights ({name}; activations rounded to {family}{', CUDA mmvq' if mmvq else ''})"
+    if not on_cuda(node) or node.op != "MUL_MAT":
         return "fp32"
     cols = node.ne[1]
     if cols <= 3:
@@ -205,10 +206,10 @@ class LocalErrors:
     not excuse (`excused`); and, with `ubatch_shape` set, each node's per-token errors per (ubatch, group) for
     `at_token`, and its worst token (`worst_token`)."""
 
-    def __init__(self, k_floor: float, device=None, emulate: bool = False):
+    def __init__(self, k_floor: float, device=None, emulate: Optional[str] = None):
         self.k = k_floor
         self.device = device            # a torch device for MUL_MAT's recompute (cuda: see _mul_mat_error)
-        self.emulate = emulate          # a CPU build: narrow weights' activation rounding emulated (activations.py)
+        self.emulate = emulate          # the build ("cpu", "cuda") whose narrow-weight rounding is emulated, or None
         self.softplus_rows = None
         self._on_device: dict = {}      # id of a weight's float64 array -> (the array, its tensor on `device`)
         self.mul_mat_on = {str(device): 0, "host": 0} if device is not None else {"host": 0}
@@ -279,34 +280,36 @@ class LocalErrors:
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
 
     def _emulated(self, node, srcs: list, got: np.ndarray, weights: int, offs=None) -> Optional[tuple]:
-        """A CPU build's MUL_MAT of weights in activations.ACTIVATIONS: (its local error against the float64 product
-        of its weights with its activations rounded as ggml's CPU rounds them, and where that passes the FP32 floor
-        on weights with offsets float32's own error on ggml's split sums, split_sum_reach, else None); None where
-        not emulated. q8_0 and q8_1 blocks: the least error over the quantizer's forms (a build uses one)."""
+        """A MUL_MAT of narrow weights whose activations' rounding is emulated (activations.emulation: every node of
+        a CPU build, a CUDA build's mmvq nodes): (its local error against the float64 product of its weights with
+        its activations rounded so, and where that passes the FP32 floor on weights with offsets float32's own error
+        on the kernel's split sums, split_sum_reach, else None); None where not emulated. The least error over the
+        quantizer's forms (a build uses one)."""
         name = WEIGHT_TYPES.get(weights)
-        if not self.emulate or node.op != "MUL_MAT" or name not in ACTIVATIONS or any(a is None for a in srcs[:2]):
-            return None
-        q8_1 = ACTIVATIONS[name] == "q8_1"
-        if q8_1 and offs is None:
+        kernel = emulation(self.emulate, name, node) if node.op == "MUL_MAT" else None
+        if kernel is None or any(a is None for a in srcs[:2]):
             return None
         w, best = srcs[0].astype(np.float64, copy=False), None
-        for form in (Q8_FORMS if ACTIVATIONS[name] in ("q8_0", "q8_1") else Q8_FORMS[:1]):
-            x = rounded(srcs[1], name, form)
-            want = None if x is None else recompute("MUL_MAT", [w, x], got.shape, ())
-            sums = q8_1_sums(srcs[1], form) if q8_1 else None
-            if want is not None and q8_1:       # the offsets times the block sums' own rounding
-                want = with_block_sums(want, x, sums, offs)
+        for x, sums in roundings(kernel, name, srcs[1]):
+            want = recompute("MUL_MAT", [w, x], got.shape, ())
+            if want is not None and sums is not None:       # the offsets times the block sums' own rounding
+                want = with_block_sums(want, x, sums, offs) if offs is not None else None
             if want is None or want.shape != got.shape:
                 return None
             err = rel_l2(got.astype(np.float64), want)
-            best = (err, x, sums) if best is None or err < best[0] else best
+            best = (err, x, sums, want) if best is None or err < best[0] else best
             if err <= self.k * FP32_FLOOR:
                 break
-        err, x, sums = best
-        w2 = w.reshape(-1, w.shape[-1])
-        if err <= self.k * FP32_FLOOR or name not in SPLIT_BLOCK or offs is None or w2.shape[0] != got.shape[-1]:
+        if best is None:
+            return None
+        err, x, sums, want = best
+        if kernel == "cuda" and err > self.k * FP32_FLOOR:     # a value at a half under fast-math division
+            settled = settle_ties(got, want, w, srcs[1], offs if sums is not None else None)
+            err = err if settled is None else min(err, settled)
+        w2, block = w.reshape(-1, w.shape[-1]), split_block(kernel, name)
+        if err <= self.k * FP32_FLOOR or block is None or offs is None or w2.shape[0] != got.shape[-1]:
             return err, None
-        return err, split_sum_reach(w2, x, offs, SPLIT_BLOCK[name], sums)
+        return err, split_sum_reach(w2, x, offs, block, sums)
 
     def _keep_rows(self, node, path: str, err, rows, oracle, u: int, first_seq: int):
         """Keep what at_token reads: per node of the ubatch its per-token errors (S, T) and, where a row passed the

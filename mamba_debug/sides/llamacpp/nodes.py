@@ -171,11 +171,12 @@ def _raw_rows(lib, node: Node) -> Optional[np.ndarray]:
 
 
 # The types whose values are an offset plus a scaled non-negative integer: q4_1 and q5_1 (offset m per block of 32),
-# q2_K (-dmin * m per 16), q4_K and q5_K (per 32). ggml's dot products sum the offsets' part apart from the scaled
-# part (activations.split_sum_reach). By type: the block's bytes, the byte range holding the integers (zeroed, the
+# q2_K (-dmin * m per 16), q4_K and q5_K (per 32); q4_0 and q5_0 (-8 d and -16 d per 32: CUDA's mmvq meets them with
+# the activations' block sums). ggml's dot products sum the offsets' part apart from the scaled part
+# (activations.split_sum_reach). By type: the block's bytes, the byte range holding the integers (zeroed, the
 # dequantized block is its offsets alone), and the values one offset spans. Layouts: ggml-common.h.
-OFFSET_LAYOUT = {3: (20, 4, 20, 32), 7: (24, 4, 24, 32), 10: (84, 16, 80, 16), 12: (144, 16, 144, 32),
-                 13: (176, 16, 176, 32)}
+OFFSET_LAYOUT = {2: (18, 2, 18, 32), 3: (20, 4, 20, 32), 6: (22, 2, 22, 32), 7: (24, 4, 24, 32),
+                 10: (84, 16, 80, 16), 12: (144, 16, 144, 32), 13: (176, 16, 176, 32)}
 
 
 def offsets(raw: Optional[np.ndarray], ggml_type: int) -> Optional[np.ndarray]:

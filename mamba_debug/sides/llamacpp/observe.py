@@ -34,7 +34,8 @@ import numpy as np
 
 from . import defer, recall
 from .lib import GgmlTensor
-from .local import OPS as LOCAL_OPS
+from .activations import wants_offsets
+from .local import OPS as LOCAL_OPS, WEIGHT_TYPES
 from .nodes import (DTYPES, HEAD_NAMES, WEIGHT_PREFIXES, GraphMap, host_array, model_input, read_data,
                     read_dequantized, read_from_file, read_node, read_offsets, repacked)
 
@@ -111,7 +112,7 @@ class Tracer:
         self.local = self.fault = None
         self.weights: dict = {}         # --local: weights as float64, read once
         self.weight_types: dict = {}    # --local: a weight's ggml type, by address (a MUL_MAT's arithmetic path)
-        self.weight_offsets: dict = {}  # --local: a weight's offsets (q4_1, q5_1, q2_K, q4_K, q5_K), by address
+        self.weight_offsets: dict = {}  # --local: a weight's offsets (nodes.OFFSET_LAYOUT), by address
         self.recall_key = None if model is None else \
             (str(lib.path), lib.version, lib.commit, model, tuple(kinds), observed)
         self._reset_trie()
@@ -422,7 +423,7 @@ class Tracer:
         weight = leaf.name.startswith(WEIGHT_PREFIXES)
         if weight:
             self.weight_types[addr] = leaf.type
-            if self.local is not None and self.local.emulate:     # only the CPU build's emulation reads them
+            if self.local is not None and wants_offsets(self.local.emulate, WEIGHT_TYPES.get(leaf.type), leaf):
                 self.weight_offsets[addr] = read_offsets(self.lib, leaf, self.gguf_path)   # None: a type without
         if repacked(leaf):              # ggml cannot read it back: the file's values, for a weight
             data = read_from_file(self.gguf_path, leaf) if weight and self.gguf_path else None

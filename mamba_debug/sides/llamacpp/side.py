@@ -46,7 +46,7 @@ class LlamaCppSide:
         self.n_seqs, self.n_slots, self.first_seq = None, None, 0
         # --local: measured during the run. Otherwise only when the verdict needs them (judge): reading every node
         # and recomputing it in float64 made a clean CUDA run 400x its untraced time (issue #18, goal 5)
-        self.local = LocalErrors(s.k_floor, device=_local_device(s), emulate=not self.lib.has_gpu) if s.local else None
+        self.local = LocalErrors(s.k_floor, device=_local_device(s), emulate=self.lib.rounding) if s.local else None
         self.kinds = layer_kinds(self.cfg)
         self.tracer = None
         self._load()
@@ -274,8 +274,7 @@ class LlamaCppSide:
         """Replay with fresh local errors up to fd's ubatch (None: every ubatch of every group), recorded as
         `local_replay` (its seconds include an `earlier` partial replay's); whether the replay gave the traced
         run's logits bit for bit."""
-        self.local = LocalErrors(self.s.k_floor, device=_local_device(self.s),
-                                 emulate=not self.lib.has_gpu)
+        self.local = LocalErrors(self.s.k_floor, device=_local_device(self.s), emulate=self.lib.rounding)
         t0 = time.perf_counter()
         same = self._replay(fd)
         self.info.extra["local_replay"] = {
