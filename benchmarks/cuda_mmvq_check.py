@@ -99,6 +99,7 @@ def main():
     ap.add_argument("--lib", default=None, help="llama.cpp library folder (--llama-lib)")
     ap.add_argument("--kinds", default=KINDS)
     ap.add_argument("--out", default="out/cuda_mmvq_check")
+    ap.add_argument("--d-model", type=int, default=256, help="the random Mamba-1's width (2560: mamba-2.8b's)")
     ap.add_argument("--no-shipped", dest="shipped", action="store_false", help="skip the shipped models' q8_0 runs")
     a = ap.parse_args()
     from mamba_debug.sides.llamacpp import preload  # noqa: PLC0415
@@ -110,7 +111,7 @@ def main():
     from mamba_debug.sides.llamacpp import side as lside  # noqa: PLC0415
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    f32 = md.export_gguf(random_model(d_model=256, n_layer=2, vocab_size=512, d_state=16), out / "f32.gguf",
+    f32 = md.export_gguf(random_model(d_model=a.d_model, n_layer=2, vocab_size=512, d_state=16), out / "f32.gguf",
                          dtype="f32")
     ids = [int(i) for i in np.random.default_rng(1).integers(3, 499, 25)]
 
