@@ -1,9 +1,10 @@
 """Which activation rounding does llama.cpp's CUDA build apply to a narrow-weight matmul? (a probe, not a product path)
 
 On a CPU build the rounding is known and emulated (mamba_debug/sides/llamacpp/activations.py), so a clean f16 / q8_0
-node sits within ~1e-7 of the emulation and a 1e-4 fault is named at its node. On a CUDA build it is not emulated
-yet: such a node is excused up to its family's limit (2e-3 for f16, 0.08 for 8-bit), so a fault below that reads
-as precision. This probe runs the shipped models as f16 and q8_0 GGUFs with --local and, for every
+node sits within ~1e-7 of the emulation and a 1e-4 fault is named at its node. On a CUDA build only the quantized
+vector kernel (mmvq, at most 8 columns) is emulated since this probe found its rounding (cuda_mmvq_check.py checks
+it); elsewhere such a node is excused up to its family's limit (2e-3 for f16, 0.08 for 8-bit), so a fault below that
+reads as precision: this probe is how a candidate for those paths is tried. This probe runs the shipped models as f16 and q8_0 GGUFs with --local and, for every
 MUL_MAT of narrow weights, prints its local error against the float64 product with each candidate rounding of its
 activations (none; f16; bf16; q8 blocks in ggml-cpu's three forms; CUDA's quantize_q8_1, roundf(x / d), and its MMQ
 form, roundf(x * 127 / amax), each with the block scale kept as f16 or as float32). A candidate at ~1e-7 on every
