@@ -115,31 +115,25 @@ TIE_ULPS = 2.0 ** -20           # 8 float32 ulps, relative
 
 def cuda_ties(x: np.ndarray) -> list:
     """Where CUDA's rounding of x (..., K) may differ from `_q8_0(x, "cuda")`: (row of x flattened to (N, K), block,
-    the change to that block's 32 rounded values if it does), for each value within TIE_ULPS of a half and each
-    block whose scale lies within TIE_ULPS of an f16 midpoint."""
+    the change to that block's 32 rounded values if it does), for each value within TIE_ULPS of a half (the integer on
+    x / d's other side) and each block whose scale lies within TIE_ULPS of an f16 midpoint (the other f16)."""
     x32 = np.ascontiguousarray(x, dtype=np.float32)
     if x32.shape[-1] % Q8_BLOCK:
         return []
-    b = x32.reshape(-1, x32.shape[-1] // Q8_BLOCK, Q8_BLOCK)
-    amax = np.abs(b).max(axis=-1, keepdims=True)
-    d32 = amax / np.float32(127)
-    d = d32.astype(np.float64)
-    h = d32.astype(np.float16)
-    v = np.divide(b.astype(np.float64), d, out=np.zeros(b.shape), where=d > 0)
+    nb = x32.shape[-1] // Q8_BLOCK
+    q, d32 = _q8_blocks(x32, "cuda")            # the emulation's own integers and scales, one row per block
+    d, h = d32.astype(np.float64), d32.astype(np.float16)
+    v = np.divide(x32.reshape(-1, Q8_BLOCK).astype(np.float64), d, out=np.zeros(q.shape), where=d > 0)
     a = np.abs(v)
-    frac = a - np.floor(a)
-    q = np.sign(v) * np.floor(a + 0.5)
-    other = np.sign(v) * np.where(frac >= 0.5, np.floor(a), np.floor(a) + 1)
     ties = []
-    for n, k, i in zip(*np.nonzero(np.abs(frac - 0.5) <= TIE_ULPS * np.maximum(a, 1.0))):
+    for f, i in zip(*np.nonzero(np.abs(a - np.floor(a) - 0.5) <= TIE_ULPS * np.maximum(a, 1.0))):
         dx = np.zeros(Q8_BLOCK)
-        dx[i] = (other[n, k, i] - q[n, k, i]) * float(h[n, k, 0])
-        ties.append((n, k, dx))
-    side = np.where(d > h.astype(np.float64), np.inf, -np.inf).astype(np.float16)
-    h2 = np.nextafter(h, side)
+        dx[i] = np.sign(v[f, i] - q[f, i]) * float(h[f, 0])
+        ties.append((*divmod(int(f), nb), dx))
+    h2 = np.nextafter(h, np.where(d > h.astype(np.float64), np.inf, -np.inf).astype(np.float16))
     mid = (h.astype(np.float64) + h2.astype(np.float64)) / 2
-    for n, k, _ in zip(*np.nonzero((np.abs(d - mid) <= TIE_ULPS * d) & (d > 0))):
-        ties.append((n, k, q[n, k] * (float(h2[n, k, 0]) - float(h[n, k, 0]))))
+    for f in np.nonzero(((np.abs(d - mid) <= TIE_ULPS * d) & (d > 0))[:, 0])[0]:
+        ties.append((*divmod(int(f), nb), q[f] * (float(h2[f, 0]) - float(h[f, 0]))))
     return ties
 
 
