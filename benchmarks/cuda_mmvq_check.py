@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-KINDS = "Q8_0,Q4_0,Q5_0,Q2_K,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K"
+KINDS = "Q8_0,Q4_0,Q5_0,Q4_1,Q5_1,Q2_K,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K"
 QUANTIZE = """
 import ctypes, importlib.util, sys, types
 if importlib.util.find_spec("diskcache") is None:   # llama_cpp's package imports it; its quantizer does not use it

@@ -18,9 +18,10 @@ sum over blocks of m * (s - f16(d) * sum(q)): `with_block_sums`); others keep th
 A CUDA build: a quantized MUL_MAT of at most 8 columns runs mul_mat_vec_q (mmvq), which rounds the activations to
 q8_1 blocks of 32 (quantize.cu: d = amax / 127, q = roundf(x / d), d kept as f16) and multiplies them in integers
 (vecdotq.cuh). q8_0 and the K-quants meet them through their integers alone (the plain product with the rounded x);
-q4_0 and q5_0 subtract their constant offset times the block's f16 sum of the unrounded x (`cuda_sums`). Those are
-emulated on a CUDA node of a CUDA build (`CUDA_MMVQ`; measured on an H100). Its other paths (q4_1 / q5_1, which
-multiply their scales in f16; MMQ at more columns; f16 weights) keep their family's floor (emulation(): None).
+q4_0 and q5_0 subtract their constant offset times the block's f16 sum of the unrounded x (`cuda_sums`); q4_1 and
+q5_1 multiply their block scale d and minimum m by q8_1's f16 scale and sum in f16 (`__hmul2`: each product rounded
+to f16, `f16_products`). Those are emulated on a CUDA node of a CUDA build (`CUDA_MMVQ`; measured on an H100). Its
+other paths (MMQ at more columns; f16 weights) keep their family's floor (emulation(): None).
 """
 from __future__ import annotations
 
@@ -47,12 +48,15 @@ CUDA_FORMS = ("cuda", "arm", "x86")
 
 # A CUDA build's mul_mat_vec_q (MMVQ_MAX_BATCH_SIZE: a quantized MUL_MAT of at most 8 columns, src1's ne[1]) by
 # weight type: "sums" where its dot product meets q8_1's f16 block sum of the unrounded x (q4_0's -8 d and q5_0's
-# -16 d offsets), None where the integers alone meet the activations (the plain product with the rounded x).
-CUDA_MMVQ = {"q8_0": None, "q4_0": "sums", "q5_0": "sums", **{f"q{b}_K": None for b in (2, 3, 4, 5, 6)}}
+# -16 d offsets), "f16" where it also multiplies the scales in f16 (q4_1, q5_1: f16_products), None where the
+# integers alone meet the activations (the plain product with the rounded x).
+CUDA_MMVQ = {"q8_0": None, "q4_0": "sums", "q5_0": "sums", "q4_1": "f16", "q5_1": "f16",
+             **{f"q{b}_K": None for b in (2, 3, 4, 5, 6)}}
 MMVQ_MAX_COLS = 8
 # Its two float parts that may cancel: q4_0 / q5_0 in each block's d * (d8 * sum(q) - offset * s8), the K-quants
 # with minima in sumf_d and sumf_m per super-block (q3_K and q6_K subtract their offsets in the integers).
-CUDA_SPLIT_BLOCK = {"q4_0": Q8_BLOCK, "q5_0": Q8_BLOCK, "q2_K": QK_K, "q4_K": QK_K, "q5_K": QK_K}
+CUDA_SPLIT_BLOCK = {"q4_0": Q8_BLOCK, "q5_0": Q8_BLOCK, "q4_1": Q8_BLOCK, "q5_1": Q8_BLOCK, "q2_K": QK_K,
+                    "q4_K": QK_K, "q5_K": QK_K}
 
 
 def emulation(build: Optional[str], weights: Optional[str], node) -> Optional[str]:
@@ -89,13 +93,18 @@ def wants_offsets(build: Optional[str], weights: Optional[str], weight) -> bool:
     return kernel == "cuda" and weights in CUDA_SPLIT_BLOCK
 
 
+def wants_scales(build: Optional[str], weights: Optional[str], weight) -> bool:
+    """Does that build's emulation of `weights` read the block scales (nodes.read_scales) of the weight `weight`?"""
+    return kernel_of(build, weight) == "cuda" and CUDA_MMVQ.get(weights) == "f16"
+
+
 def roundings(kernel: str, weights: str, x: np.ndarray) -> list:
     """The activations x (..., K) as `kernel` ("cpu" or "cuda", emulation()) rounds them for `weights`: one
     (rounded x, block sums or None) per quantizer form it may use (a build uses one), or [] where K does not fit."""
     if kernel == "cuda":
         if x.shape[-1] % Q8_BLOCK:
             return []
-        sums = cuda_sums(x) if CUDA_MMVQ[weights] == "sums" else None
+        sums = cuda_sums(x) if CUDA_MMVQ[weights] else None
         return [(_q8_0(np.ascontiguousarray(x, dtype=np.float32), f), sums) for f in CUDA_FORMS]
     to = ACTIVATIONS[weights]
     out = []
@@ -171,6 +180,33 @@ def cuda_sums(x: np.ndarray) -> Optional[np.ndarray]:
     for step in (16, 8, 4, 2, 1):
         v = v + v[:, lanes ^ step]
     return v[:, 0].astype(np.float16).astype(np.float64).reshape(*x32.shape[:-1], -1)
+
+
+def f16_products(w: np.ndarray, xr: np.ndarray, sums, offs, scales) -> Optional[np.ndarray]:
+    """CUDA mmvq's q4_1 / q5_1 product (vecdotq.cuh with FAST_FP16_AVAILABLE: every sm from 60 but 61), (..., rows)
+    float64: per block of 32, the integer dot product of the weights' integers with q8_1's, times f16(d * d8), plus
+    f16(m * s8): `__hmul2` rounds both products to f16 (5e-4 apart each; the f16 subnormals below 6.1e-5 keep 2^-24
+    apart), before float32 sums. w (rows, K): the dequantized weights; xr (..., K): the activations as rounded
+    (roundings); sums (..., K / 32): q8_1's f16 block sums (cuda_sums); offs, scales (rows, K / 32): the weights'
+    minima m and scales d (nodes.read_offsets, read_scales). None where the shapes do not meet."""
+    w = w.reshape(-1, w.shape[-1])
+    rows, K = w.shape
+    nb = K // Q8_BLOCK
+    if sums is None or offs is None or scales is None or K % Q8_BLOCK or xr.shape[-1] != K \
+            or offs.shape != (rows, nb) or scales.shape != (rows, nb) or sums.shape != (*xr.shape[:-1], nb):
+        return None
+    X = xr.reshape(-1, nb, Q8_BLOCK)
+    d8 = np.abs(X).max(axis=-1) / 127                   # q8_1's f16 scale: each block's largest value is +-127 d8
+    q = np.rint(np.divide(X, d8[..., None], out=np.zeros_like(X), where=d8[..., None] > 0))
+    W = (w - np.repeat(offs, Q8_BLOCK, axis=1)).reshape(rows, nb, Q8_BLOCK)
+    ints = np.rint(np.divide(W, scales[..., None], out=np.zeros_like(W), where=scales[..., None] != 0))
+    S = sums.reshape(-1, nb)
+    out = np.zeros((X.shape[0], rows))
+    for b in range(nb):                                 # one block's f16 products at a time: (columns, rows)
+        dd = (d8[:, b, None] * scales[None, :, b]).astype(np.float16).astype(np.float64)
+        ms = (S[:, b, None] * offs[None, :, b]).astype(np.float16).astype(np.float64)
+        out += (q[:, b] @ ints[:, b].T) * dd + ms
+    return out.reshape(*xr.shape[:-1], rows)
 
 
 def rounded(x: np.ndarray, weights: str, form: str = "x86") -> Optional[np.ndarray]:

@@ -27,8 +27,8 @@ from typing import Optional
 
 import numpy as np
 
-from .activations import (MMVQ_MAX_COLS, emulation, on_cuda, roundings, settle_ties, split_block,
-                          split_sum_reach, with_block_sums)
+from .activations import (CUDA_MMVQ, MMVQ_MAX_COLS, emulation, f16_products, on_cuda, roundings,
+                          settle_ties, split_block, split_sum_reach, with_block_sums)
 from .token_rows import flat_sums, layout, ratio, rows_and_whole
 
 FP32_FLOOR = 1e-6       # rel. L2 of one float32 op against float64 (a few ulps); the k_floor multiple applies
@@ -232,9 +232,11 @@ class LocalErrors:
         """Note where a node sits in its graph (a divergence at a view, B or C, is bounded by it in at_token)."""
         self.index_of.setdefault((u, first_seq, node.layer, node.site or node.op), node.index)
 
-    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0, weights: int = 0, offs=None):
-        """One observed node: its local error on its path (weights: its weights' ggml type, path_of; offs: its
-        weights' offsets, nodes.read_offsets, for the types that have them)."""
+    def add(self, node, srcs: list, got: np.ndarray, u: int, first_seq: int = 0, weights: int = 0, offs=None,
+            scales=None):
+        """One observed node: its local error on its path (weights: its weights' ggml type, path_of; offs, scales:
+        its weights' offsets and block scales, nodes.read_offsets / read_scales, for the types whose emulation reads
+        them)."""
         path = path_of(node, weights)
         self.reduced |= not path.startswith("fp32")
         self.place(node, u, first_seq)
@@ -259,7 +261,7 @@ class LocalErrors:
                 self.explained[key] = {**where, "fp32_recompute": oracle_err}
             return
         limit, judged = path_limit(path, self.k), err
-        emulated = self._emulated(node, srcs, got, weights, offs) if err > self.k * FP32_FLOOR else None
+        emulated = self._emulated(node, srcs, got, weights, offs, scales) if err > self.k * FP32_FLOOR else None
         if emulated is not None:        # against what its activations' rounding gives: FP32-sized when clean
             judged, reach = emulated
             where["emulated_error"], limit = judged, self.k * FP32_FLOOR
@@ -279,7 +281,7 @@ class LocalErrors:
                                              "index": node.index,
                                              "first_seen": old["first_seen"] if old else (first_seq, u, node.index)}
 
-    def _emulated(self, node, srcs: list, got: np.ndarray, weights: int, offs=None) -> Optional[tuple]:
+    def _emulated(self, node, srcs: list, got: np.ndarray, weights: int, offs=None, scales=None) -> Optional[tuple]:
         """A MUL_MAT of narrow weights whose activations' rounding is emulated (activations.emulation: every node of
         a CPU build, a CUDA build's mmvq nodes): (its local error against the float64 product of its weights with
         its activations rounded so, and where that passes the FP32 floor on weights with offsets float32's own error
@@ -291,9 +293,12 @@ class LocalErrors:
             return None
         w, best = srcs[0].astype(np.float64, copy=False), None
         for x, sums in roundings(kernel, name, srcs[1]):
-            want = recompute("MUL_MAT", [w, x], got.shape, ())
-            if want is not None and sums is not None:       # the offsets times the block sums' own rounding
-                want = with_block_sums(want, x, sums, offs) if offs is not None else None
+            if kernel == "cuda" and CUDA_MMVQ[name] == "f16":      # q4_1 / q5_1: scale products rounded to f16
+                want = f16_products(w, x, sums, offs, scales)
+            else:
+                want = recompute("MUL_MAT", [w, x], got.shape, ())
+                if want is not None and sums is not None:       # the offsets times the block sums' own rounding
+                    want = with_block_sums(want, x, sums, offs) if offs is not None else None
             if want is None or want.shape != got.shape:
                 return None
             err = rel_l2(got.astype(np.float64), want)

@@ -197,14 +197,37 @@ def offsets(raw: Optional[np.ndarray], ggml_type: int) -> Optional[np.ndarray]:
     return values.reshape(raw.shape[0], -1, span)[:, :, 0].astype(np.float64)
 
 
+# q4_1's and q5_1's blocks begin with their scale d as an f16 (ggml-common.h), which CUDA's mmvq multiplies by the
+# activations' f16 scale in f16 (activations.f16_products). By type: the block's bytes.
+SCALE_FIRST = {3: 20, 7: 24}
+
+
+def scales(raw: Optional[np.ndarray], ggml_type: int) -> Optional[np.ndarray]:
+    """The block scales d of a q4_1 / q5_1 weight's rows (raw: uint8 (rows, bytes a row)) as float64 (rows, K / 32);
+    None for other types or where it cannot be."""
+    size = SCALE_FIRST.get(ggml_type)
+    if raw is None or size is None or raw.shape[-1] % size:
+        return None
+    first = np.ascontiguousarray(raw.reshape(raw.shape[0], -1, size)[:, :, :2])
+    return first.view(np.float16)[:, :, 0].astype(np.float64)
+
+
 def read_offsets(lib, node: Node, gguf_path=None) -> Optional[np.ndarray]:
     """A weight's offsets (OFFSET_LAYOUT): from its buffer, or from the GGUF file for a repacked one."""
-    if node.type not in OFFSET_LAYOUT:
-        return None
+    return offsets(_weight_rows(lib, node, gguf_path), node.type) if node.type in OFFSET_LAYOUT else None
+
+
+def read_scales(lib, node: Node, gguf_path=None) -> Optional[np.ndarray]:
+    """A q4_1 / q5_1 weight's block scales (SCALE_FIRST), read as read_offsets reads its offsets."""
+    return scales(_weight_rows(lib, node, gguf_path), node.type) if node.type in SCALE_FIRST else None
+
+
+def _weight_rows(lib, node: Node, gguf_path=None) -> Optional[np.ndarray]:
+    """A weight's bytes as (rows, bytes a row): from its buffer, or from the GGUF file for a repacked one."""
     if not repacked(node):
-        return offsets(_raw_rows(lib, node), node.type)
+        return _raw_rows(lib, node)
     t = _file_tensor(gguf_path, node) if gguf_path else None
-    return None if t is None else offsets(np.asarray(t.data).reshape(-1, t.data.shape[-1]), node.type)
+    return None if t is None else np.asarray(t.data).reshape(-1, t.data.shape[-1])
 
 
 # ggml-cpu's extra buffer types keep a weight re-laid out for their kernels (q4_0 as q4_0x8 on AVX2, AMX tiles,

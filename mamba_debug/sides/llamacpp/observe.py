@@ -34,10 +34,10 @@ import numpy as np
 
 from . import defer, recall
 from .lib import GgmlTensor
-from .activations import wants_offsets
+from .activations import wants_offsets, wants_scales
 from .local import OPS as LOCAL_OPS, WEIGHT_TYPES
 from .nodes import (DTYPES, HEAD_NAMES, WEIGHT_PREFIXES, GraphMap, host_array, model_input, read_data,
-                    read_dequantized, read_from_file, read_node, read_offsets, repacked)
+                    read_dequantized, read_from_file, read_node, read_offsets, read_scales, repacked)
 
 STRUCT = ctypes.c_char * GgmlTensor.extra.offset     # the struct up to its name; the backend's `extra` left out
 NAME = ctypes.c_char * 64
@@ -113,6 +113,7 @@ class Tracer:
         self.weights: dict = {}         # --local: weights as float64, read once
         self.weight_types: dict = {}    # --local: a weight's ggml type, by address (a MUL_MAT's arithmetic path)
         self.weight_offsets: dict = {}  # --local: a weight's offsets (nodes.OFFSET_LAYOUT), by address
+        self.weight_scales: dict = {}   # --local: q4_1 / q5_1 block scales on CUDA (nodes.SCALE_FIRST), by address
         self.recall_key = None if model is None else \
             (str(lib.path), lib.version, lib.commit, model, tuple(kinds), observed)
         self._reset_trie()
@@ -137,7 +138,7 @@ class Tracer:
         """Drop all but the trie and its buffers: its context is kept for the next run (contexts.py). What recall.py
         remembers goes to disk if it grew (the next process recalls its first graphs)."""
         recall.persist(self.recall_key)
-        self.weights, self.weight_types, self.weight_offsets = {}, {}, {}
+        self.weights, self.weight_types, self.weight_offsets, self.weight_scales = {}, {}, {}, {}
         self.tracing, self.local, self.fault, self.cur, self.gm = False, None, None, None, None
         self.graphs, self.names, self.data, self.at, self.checked, self.bufs = [], {}, {}, None, set(), {}
 
@@ -409,7 +410,8 @@ class Tracer:
             srcs = [g["all"].get(a) if a in g["map"].nodes else self._leaf(g, a) for a in node.src]
             weights = self.weight_types.get(node.src[0], 0) if node.src else 0     # picks a MUL_MAT's path
             offs = self.weight_offsets.get(node.src[0]) if node.src else None
-            self.local.add(node, srcs, data, self.u, self.first_seq, weights, offs)
+            scales = self.weight_scales.get(node.src[0]) if node.src else None
+            self.local.add(node, srcs, data, self.u, self.first_seq, weights, offs, scales)
         elif node.site:                 # a compared view (B, C): where a divergence there sits in the graph
             self.local.place(node, self.u, self.first_seq)
 
@@ -425,6 +427,8 @@ class Tracer:
             self.weight_types[addr] = leaf.type
             if self.local is not None and wants_offsets(self.local.emulate, WEIGHT_TYPES.get(leaf.type), leaf):
                 self.weight_offsets[addr] = read_offsets(self.lib, leaf, self.gguf_path)   # None: a type without
+            if self.local is not None and wants_scales(self.local.emulate, WEIGHT_TYPES.get(leaf.type), leaf):
+                self.weight_scales[addr] = read_scales(self.lib, leaf, self.gguf_path)
         if repacked(leaf):              # ggml cannot read it back: the file's values, for a weight
             data = read_from_file(self.gguf_path, leaf) if weight and self.gguf_path else None
             if data is not None:
